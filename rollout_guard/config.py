@@ -1,0 +1,100 @@
+"""The one configuration object of the guard.
+
+Every threshold is in natural-log units (nats) of token probability unless it says tokens. Why the defaults:
+clean rollouts from a bf16 engine differ from the trainer by ~0.01–0.05 nat per token on average and rarely by
+more than ~0.5 nat on a single token (2 on a rare, low-probability token); an fp32 engine agrees to ~1e-6.
+Stale-engine-state corruption (vLLM PR #32118: a new request read another request's SSM state) produces text
+that the engine is confident about and the trainer, reading the true prompt, finds unlikely: several nats on
+most tokens. An integer overflow in a scan kernel showed up as isolated spikes of many nats. The defaults sit an
+order of magnitude above clean bf16 noise and an order of magnitude below those failures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from rollout_guard.errors import GuardConfigError
+
+MODES = ("monitor", "quarantine")
+ON_CEILING = ("stop", "alert")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Settings of the rollout guard. A rule whose threshold is ``None`` is off."""
+
+    mode: str = "quarantine"
+    """``"monitor"``: measure, judge and report only. ``"quarantine"``: also remove suspect samples from the loss
+    (zero loss mask, excluded from their group's advantage baseline, loss normaliser corrected). Default
+    ``"quarantine"``."""
+
+    spike_delta: float | None = 8.0
+    """nats. Rule ``token_spike``: some token's |engine − trainer| logprob exceeds this. 8 nats is a probability
+    ratio of ~3000, far above bf16 noise (≤ ~2 nats on rare tokens). Default 8.0."""
+
+    mean_delta: float | None = 1.0
+    """nats per token. Rule ``mean_drift``: the sample's mean |engine − trainer| logprob over its compared tokens
+    exceeds this. Clean bf16: ~0.01–0.05; stale state: several nats. Default 1.0."""
+
+    confident_logprob: float = math.log(0.5)
+    """nats. An engine logprob at or above this makes a token *confident* (p ≥ 0.5). Default ln 0.5 ≈ −0.693."""
+
+    doubtful_logprob: float = math.log(0.01)
+    """nats. A trainer logprob at or below this makes a token *doubtful* (p ≤ 0.01). Default ln 0.01 ≈ −4.605."""
+
+    confident_wrong_tokens: int | None = 2
+    """tokens. Rule ``confident_wrong``: at least this many tokens are confident for the engine and doubtful for
+    the trainer (each one is a ≥ 3.9-nat disagreement in the direction of the AI21 signature). Default 2."""
+
+    nonfinite_engine_tokens: int | None = 1
+    """tokens. Rule ``nonfinite_engine``: at least this many of the sample's engine logprobs are NaN or ±inf
+    (an engine that cannot score its own token is itself evidence). Default 1."""
+
+    nonfinite_trainer_tokens: int | None = 1
+    """tokens. Rule ``nonfinite_trainer``: at least this many trainer logprobs are NaN or ±inf; such a sample
+    would poison the loss whatever the engine did. Default 1."""
+
+    divergence_delta: float = 1.0
+    """nats. A token whose |Δ| exceeds this counts as *divergent*; the index of the first one is reported with
+    each sample as evidence (no rule uses it). Default 1.0."""
+
+    compute_trainer_logprobs: bool = True
+    """When the trainer did not compute its own logprobs of the sampled tokens (TRL with
+    ``vllm_importance_sampling_correction=False``), run one extra no-grad forward pass to get them. Costs one
+    forward pass over the generation batch per generation step. ``False``: confidence-only checks. Default True."""
+
+    output_dir: str | None = None
+    """Folder for the guard's local files (metrics, quarantine store, charts). ``None``: the trainer's
+    ``output_dir`` + ``/rollout_guard``. Default None."""
+
+    chart_every_steps: int = 25
+    """steps. Redraw the local spike chart every this many guarded steps (and at the end of training).
+    Default 25."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise GuardConfigError("mode", self.mode, f"use one of {MODES}")
+        for name in ("spike_delta", "mean_delta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
+        for name in ("confident_wrong_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise GuardConfigError(name, value, "use a whole number of tokens ≥ 1, or None to turn the rule off")
+        for name in ("confident_logprob", "doubtful_logprob"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value <= 0):
+                raise GuardConfigError(name, value, "use a log-probability in nats (≤ 0), e.g. math.log(0.5)")
+        if not (isinstance(self.divergence_delta, (int, float)) and self.divergence_delta > 0):
+            raise GuardConfigError("divergence_delta", self.divergence_delta, "use a positive number of nats")
+        if not (isinstance(self.chart_every_steps, int) and self.chart_every_steps >= 1):
+            raise GuardConfigError("chart_every_steps", self.chart_every_steps, "use a whole number of steps ≥ 1")
+
+    @property
+    def quarantines(self) -> bool:
+        return self.mode == "quarantine"
+
+    def to_dict(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in fields(self)}

@@ -1,0 +1,64 @@
+"""One quarantine record: the evidence needed to understand and reproduce a suspect sample offline."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+def _nan_to_none(values: list[float]) -> list[float | None]:
+    return [None if (value is None or not math.isfinite(value)) else value for value in values]
+
+
+@dataclass
+class QuarantineRecord:
+    """A suspect sample, with everything needed to replay it (see ``rollout-guard replay``).
+
+    Logprob lists are aligned with ``completion_ids``; a value the engine or trainer did not give (or that was
+    NaN/±inf) is ``null`` in JSON and counted in ``stats``.
+    """
+
+    step: int  # trainer global step at generation time
+    process_index: int
+    row: int  # row in this process's generation batch
+    global_row: int  # row in the gathered batch (group = global_row // group_size)
+    group_size: int
+    action: str  # "quarantined" (removed from the loss) or "monitored" (monitor mode: reported only)
+    rules: list[str]  # verdict rules that fired
+    stats: dict[str, float]  # the sample's row of statistics.SAMPLE_COLUMNS
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    prompt_text: str
+    completion_text: str
+    engine_logprobs: list[float | None] | None
+    trainer_logprobs: list[float | None] | None
+    reward: float | None  # weighted sum over reward functions
+    rewards_per_func: dict[str, float | None]
+    advantage_before: float | None  # what the trainer would have used
+    advantage_after: float | None  # after the guard (0.0 when quarantined)
+    sampling: dict[str, Any]  # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed
+    model: str  # name_or_path of the trained model
+    engine: dict[str, Any]  # e.g. {"name": "vllm", "mode": "colocate", "version": "0.31.0"}
+    injected: bool | None = None  # ground truth when a fault injector is on
+    created_unix: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stats"] = {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in self.stats.items()}
+        for key in ("engine_logprobs", "trainer_logprobs"):
+            if data[key] is not None:
+                data[key] = _nan_to_none(data[key])
+        return data
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> QuarantineRecord:
+        known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"quarantine record lacks {missing}")
+        return cls(**{key: value for key, value in data.items() if key in known})

@@ -1,0 +1,102 @@
+"""Sinks: where reports go. One hook per event, called on the main process only.
+
+``on_step`` after every guarded step, ``on_records`` when a step has suspect samples, ``on_end`` when training
+ends. :class:`LocalFilesSink` writes everything to a folder, for people without W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+from rollout_guard.charts import spike_chart
+from rollout_guard.config import GuardConfig
+from rollout_guard.guard import RolloutGuard, StepReport
+from rollout_guard.records import QuarantineRecord
+from rollout_guard.store import QuarantineStore
+
+
+class Sink(Protocol):
+    def on_step(self, report: StepReport, guard: RolloutGuard) -> None: ...
+
+    def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None: ...
+
+    def on_end(self, guard: RolloutGuard) -> None: ...
+
+
+def json_safe(metrics: dict[str, float]) -> dict[str, float | None]:
+    return {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in metrics.items()}
+
+
+class LocalFilesSink:
+    """Writes ``metrics.jsonl`` (one line per step), the quarantine store, ``spikes.png`` and ``summary.json``."""
+
+    def __init__(self, directory: str | Path, config: GuardConfig) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.store = QuarantineStore(self.directory / "quarantine")
+        self.metrics_path = self.directory / "metrics.jsonl"
+        self.chart_path = self.directory / "spikes.png"
+        (self.directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+
+    def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps({"step": report.step, **json_safe(report.metrics)}) + "\n")
+        if guard.totals.steps % self.config.chart_every_steps == 0:
+            self.draw_chart(guard)
+
+    def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
+        self.store.append(records)
+
+    def on_end(self, guard: RolloutGuard) -> None:
+        self.draw_chart(guard)
+        (self.directory / "summary.json").write_text(json.dumps(guard.summary(), indent=2))
+        self.store.close()
+
+    def draw_chart(self, guard: RolloutGuard) -> Path | None:
+        if not guard.totals.history:
+            return None
+        return spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta, self.chart_path)
+
+
+class ConsoleSink:
+    """Prints one table row per guarded step (rich), for people watching a terminal."""
+
+    COLUMNS = (
+        ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max |Δ|", "{:.2e}"),
+        ("p99_abs_delta", "p99 |Δ|", "{:.2e}"), ("engine_max_logprob", "engine max lp", "{:.3f}"),
+        ("confident_wrong_tokens", "conf-wrong tok", "{:.0f}"), ("injected", "injected", "{:.0f}"),
+        ("suspect", "suspect", "{:.0f}"), ("quarantined", "quarantined", "{:.0f}"), ("guard_seconds", "guard ms", "{:.1f}"),
+    )
+
+    def __init__(self, console=None) -> None:  # noqa: ANN001
+        from rich.console import Console
+
+        self.console = console or Console()
+        self._header_printed = False
+
+    def _row(self, values: dict[str, float]) -> str:
+        cells = []
+        for key, _, fmt in self.COLUMNS:
+            value = values.get(key)
+            if key == "guard_seconds" and value is not None:
+                value = value * 1000
+            text = "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else fmt.format(value)
+            cells.append(f"{text:>14}")
+        return "".join(cells)
+
+    def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
+        if not self._header_printed:
+            self.console.print("".join(f"{title:>14}" for _, title, _ in self.COLUMNS), style="bold", highlight=False)
+            self._header_printed = True
+        style = "red" if report.metrics.get("suspect") else None
+        self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False)
+
+    def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
+        pass
+
+    def on_end(self, guard: RolloutGuard) -> None:
+        pass

@@ -1,0 +1,166 @@
+"""Statistics: pure, vectorised tensor functions from evidence to per-sample and per-step numbers.
+
+Per sample, one row of :data:`SAMPLE_COLUMNS`; padding never counts, and a statistic with no token to stand on
+is NaN (never a pad's 0.0). Per step, aggregates over all valid tokens of the (gathered) batch. Token-level
+|Δ| is summarised by a histogram with fixed, log-spaced edges so that steps and processes can be added up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rollout_guard.config import GuardConfig
+from rollout_guard.evidence import RolloutEvidence
+
+SAMPLE_COLUMNS = (
+    "tokens",  # tokens in the loss mask
+    "compared_tokens",  # tokens where both logprobs are finite
+    "max_abs_delta",  # nats
+    "mean_abs_delta",  # nats per compared token
+    "seq_log_ratio",  # nats: sum of (trainer − engine) logprob, log π_trainer(y|x) / π_engine(y|x)
+    "kl_k3",  # nats per token: k3 estimate of KL(engine ‖ trainer) from the engine's own samples
+    "engine_max_logprob",  # nats
+    "engine_mean_logprob",  # nats
+    "trainer_max_logprob",  # nats
+    "trainer_mean_logprob",  # nats
+    "confident_wrong_tokens",  # tokens: engine logprob ≥ confident_logprob and trainer ≤ doubtful_logprob
+    "first_divergent_token",  # index in the completion of the first |Δ| > divergence_delta, −1 if none
+    "nonfinite_engine_tokens",  # tokens whose engine logprob is NaN/±inf
+    "nonfinite_trainer_tokens",  # tokens whose trainer logprob is NaN/±inf
+    "injected",  # 1/0 ground truth from a fault injector, NaN without one
+)
+COLUMN = {name: index for index, name in enumerate(SAMPLE_COLUMNS)}
+
+# |Δ| histogram: [0, 1e-6) then 8 bins per decade up to 100 nats, then [100, inf).
+DELTA_BIN_EDGES = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, 2, 8 * 8 + 1, dtype=torch.float64)])
+NUM_DELTA_BINS = DELTA_BIN_EDGES.numel()  # the last bin is the overflow bin [100, inf)
+
+_K3_LOG_RATIO_CAP = 30.0  # exp(30) ≈ 1e13 stays finite in float32; larger ratios add nothing to a verdict
+
+
+def _masked_max(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    filled = torch.where(where, values, torch.full_like(values, -math.inf)).amax(dim=-1)
+    return torch.where(where.any(dim=-1), filled, torch.full_like(filled, math.nan))
+
+
+def _masked_mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    count = where.sum(dim=-1)
+    total = torch.where(where, values, torch.zeros_like(values)).sum(dim=-1)
+    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
+
+
+def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.Tensor:
+    """(B, len(SAMPLE_COLUMNS)) float32 tensor of per-sample statistics, on the evidence's device."""
+    valid = evidence.mask.bool()
+    batch, length = valid.shape
+    nan_row = torch.full((batch,), math.nan, device=valid.device, dtype=torch.float32)
+    zeros = torch.zeros_like(valid, dtype=torch.float32)
+    engine = evidence.engine_logprobs.float() if evidence.has_engine else zeros
+    trainer = evidence.trainer_logprobs.float() if evidence.has_trainer else zeros
+    engine_ok = valid & torch.isfinite(engine) if evidence.has_engine else torch.zeros_like(valid)
+    trainer_ok = valid & torch.isfinite(trainer) if evidence.has_trainer else torch.zeros_like(valid)
+    both = engine_ok & trainer_ok
+
+    log_ratio = torch.where(both, trainer - engine, torch.zeros_like(engine))
+    abs_delta = log_ratio.abs()
+    capped = log_ratio.clamp(max=_K3_LOG_RATIO_CAP)
+    k3 = torch.expm1(capped) - capped
+    confident_wrong = both & (engine >= config.confident_logprob) & (trainer <= config.doubtful_logprob)
+    divergent = both & (abs_delta > config.divergence_delta)
+    first_divergent = torch.where(
+        divergent.any(dim=-1), divergent.int().argmax(dim=-1), torch.full((batch,), -1, device=valid.device)
+    )
+    compared = both.sum(dim=-1)
+    has_compared = compared > 0
+    columns = {
+        "tokens": valid.sum(dim=-1),
+        "compared_tokens": compared,
+        "max_abs_delta": _masked_max(abs_delta, both),
+        "mean_abs_delta": _masked_mean(abs_delta, both),
+        "seq_log_ratio": torch.where(has_compared, log_ratio.sum(dim=-1), nan_row),
+        "kl_k3": _masked_mean(k3, both),
+        "engine_max_logprob": _masked_max(engine, engine_ok),
+        "engine_mean_logprob": _masked_mean(engine, engine_ok),
+        "trainer_max_logprob": _masked_max(trainer, trainer_ok),
+        "trainer_mean_logprob": _masked_mean(trainer, trainer_ok),
+        "confident_wrong_tokens": confident_wrong.sum(dim=-1),
+        "first_divergent_token": first_divergent,
+        "nonfinite_engine_tokens": (valid & ~torch.isfinite(engine)).sum(dim=-1) if evidence.has_engine else zeros[:, 0],
+        "nonfinite_trainer_tokens": (valid & ~torch.isfinite(trainer)).sum(dim=-1) if evidence.has_trainer else zeros[:, 0],
+        "injected": evidence.injected.float() if evidence.injected is not None else nan_row,
+    }
+    return torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
+
+
+def delta_histogram(evidence: RolloutEvidence) -> torch.Tensor:
+    """(NUM_DELTA_BINS,) float32 counts of compared tokens' |Δ| over DELTA_BIN_EDGES; no host sync."""
+    device = evidence.device
+    counts = torch.zeros(NUM_DELTA_BINS, dtype=torch.float32, device=device)
+    if not (evidence.has_engine and evidence.has_trainer):
+        return counts
+    valid = evidence.mask.bool()
+    engine, trainer = evidence.engine_logprobs.float(), evidence.trainer_logprobs.float()
+    both = valid & torch.isfinite(engine) & torch.isfinite(trainer)
+    abs_delta = torch.where(both, trainer - engine, torch.zeros_like(engine)).abs().double()
+    bins = torch.bucketize(abs_delta, DELTA_BIN_EDGES.to(device), right=True) - 1
+    return counts.scatter_add_(0, bins.flatten(), both.flatten().float())
+
+
+def histogram_quantile(counts: torch.Tensor, q: float) -> float:
+    """The q-quantile of |Δ| from histogram counts, log-interpolated inside its bin (NaN when empty).
+
+    Accurate to the bin width, 1/8 decade (a factor of 1.33); the overflow bin reports its lower edge.
+    """
+    counts = counts.double().cpu()
+    total = float(counts.sum())
+    if total <= 0:
+        return math.nan
+    cumulative = counts.cumsum(0)
+    index = int(torch.searchsorted(cumulative, torch.tensor(q * total, dtype=torch.float64)).clamp(max=counts.numel() - 1))
+    lower = float(DELTA_BIN_EDGES[index])
+    if index + 1 >= DELTA_BIN_EDGES.numel():
+        return lower
+    upper = float(DELTA_BIN_EDGES[index + 1])
+    before = float(cumulative[index - 1]) if index > 0 else 0.0
+    fraction = (q * total - before) / max(float(counts[index]), 1e-12)
+    if lower == 0.0:
+        return upper * fraction
+    return lower * (upper / lower) ** min(max(fraction, 0.0), 1.0)
+
+
+def step_aggregates(samples: torch.Tensor, histogram: torch.Tensor) -> dict[str, float]:
+    """Per-step numbers over all valid tokens of the batch, from per-sample rows (host tensors)."""
+    col = {name: samples[:, index].double() for name, index in COLUMN.items()}
+    compared = col["compared_tokens"]
+    engine_tokens = col["tokens"] - col["nonfinite_engine_tokens"]
+    trainer_tokens = col["tokens"] - col["nonfinite_trainer_tokens"]
+
+    def nanmax(values: torch.Tensor) -> float:
+        finite = values[~torch.isnan(values)]
+        return float(finite.max()) if finite.numel() else math.nan
+
+    def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float:
+        keep = ~torch.isnan(values) & (weights > 0)
+        total = float(weights[keep].sum())
+        return float((values[keep] * weights[keep]).sum() / total) if total > 0 else math.nan
+
+    injected = col["injected"]
+    return {
+        "samples": float(samples.shape[0]),
+        "tokens": float(col["tokens"].sum()),
+        "compared_tokens": float(compared.sum()),
+        "max_abs_delta": nanmax(col["max_abs_delta"]),
+        "mean_abs_delta": weighted_mean(col["mean_abs_delta"], compared),
+        "p99_abs_delta": histogram_quantile(histogram, 0.99),
+        "kl_k3": weighted_mean(col["kl_k3"], compared),
+        "engine_max_logprob": nanmax(col["engine_max_logprob"]),
+        "engine_mean_logprob": weighted_mean(col["engine_mean_logprob"], engine_tokens),
+        "trainer_max_logprob": nanmax(col["trainer_max_logprob"]),
+        "trainer_mean_logprob": weighted_mean(col["trainer_mean_logprob"], trainer_tokens),
+        "confident_wrong_tokens": float(col["confident_wrong_tokens"].sum()),
+        "nonfinite_engine_tokens": float(col["nonfinite_engine_tokens"].sum()),
+        "nonfinite_trainer_tokens": float(col["nonfinite_trainer_tokens"].sum()),
+        "injected": float(injected.nansum()) if not torch.isnan(injected).all() else math.nan,
+    }

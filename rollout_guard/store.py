@@ -1,0 +1,114 @@
+"""The quarantine store: append-only JSON Lines, durable once ``append`` returns.
+
+One complete record per line. Each ``append`` writes all its lines with one ``write`` on an ``O_APPEND`` file
+descriptor, then ``fsync``s: a record is *acknowledged* when ``append`` returns. A writer killed mid-write can
+leave at most one torn line at the end of the newest file; the next writer cuts it off before appending, and
+readers skip it. Files rotate at ``max_file_bytes``: ``quarantine-00000.jsonl``, ``quarantine-00001.jsonl``, …
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from rollout_guard.records import QuarantineRecord
+
+FILE_PATTERN = re.compile(r"quarantine-(\d{5})\.jsonl$")
+DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024
+
+
+def store_files(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(path for path in directory.iterdir() if FILE_PATTERN.search(path.name))
+
+
+def _cut_torn_tail(path: Path) -> int:
+    """Truncate bytes after the last newline (a line a killed writer never finished); returns bytes cut."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with path.open("rb+") as handle:
+        window = min(size, 1 << 20)
+        while True:
+            handle.seek(size - window)
+            chunk = handle.read(window)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0 or window == size:
+                keep = (size - window + cut + 1) if cut >= 0 else 0
+                break
+            window = min(size, window * 2)
+        if keep < size:
+            handle.truncate(keep)
+            handle.flush()
+            os.fsync(handle.fileno())
+    return size - keep
+
+
+class QuarantineStore:
+    """Writer. ``max_file_bytes``: bytes; a new file starts once the current one reaches it (default 256 MiB)."""
+
+    def __init__(self, directory: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
+        if max_file_bytes <= 0:
+            raise ValueError(f"max_file_bytes={max_file_bytes}: use a positive number of bytes")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_file_bytes = max_file_bytes
+        existing = store_files(self.directory)
+        self._index = int(FILE_PATTERN.search(existing[-1].name).group(1)) if existing else 0
+        self.torn_bytes_cut = _cut_torn_tail(existing[-1]) if existing else 0
+        self._fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"quarantine-{self._index:05d}.jsonl"
+
+    def _descriptor(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return self._fd
+
+    def append(self, records: Iterable[QuarantineRecord]) -> int:
+        """Write the records durably; returns how many were written."""
+        lines = [json.dumps(record.to_json_dict(), allow_nan=False, separators=(",", ":")) for record in records]
+        if not lines:
+            return 0
+        payload = ("\n".join(lines) + "\n").encode()
+        if self._fd is not None and os.fstat(self._fd).st_size >= self.max_file_bytes:
+            self.close()
+            self._index += 1
+        fd = self._descriptor()
+        view = memoryview(payload)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+        return len(lines)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_records(location: str | Path) -> Iterator[QuarantineRecord]:
+    """All records of a store folder (or one file), oldest first; a torn last line is skipped with a warning."""
+    location = Path(location)
+    paths = [location] if location.is_file() else store_files(location)
+    for path in paths:
+        lines = path.read_bytes().split(b"\n")
+        torn = lines.pop()  # after the final newline: b"" unless the last line is torn
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield QuarantineRecord.from_json_dict(json.loads(line))
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: not a quarantine record ({error})") from error
+        if torn.strip():
+            warnings.warn(f"{path}: skipped a torn last line ({len(torn)} bytes) left by an interrupted writer", stacklevel=2)

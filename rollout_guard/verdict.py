@@ -1,0 +1,57 @@
+"""Verdict: which samples are suspect, and which rules fired (a bitmask per sample).
+
+Pure and vectorised over the per-sample statistics. A statistic that is NaN (no token to stand on) never fires
+a threshold rule. The verdict does not depend on the mode: the mode decides what is done with it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from rollout_guard.config import GuardConfig
+from rollout_guard.statistics import COLUMN
+
+RULES = ("nonfinite_engine", "nonfinite_trainer", "token_spike", "mean_drift", "confident_wrong")
+RULE_BIT = {name: 1 << index for index, name in enumerate(RULES)}
+
+
+class Verdict(NamedTuple):
+    suspect: torch.Tensor  # (N,) bool
+    reasons: torch.Tensor  # (N,) int32 bitmask over RULES
+
+
+def rule_firings(samples: torch.Tensor, config: GuardConfig) -> dict[str, torch.Tensor]:
+    """(N,) bool per enabled rule."""
+    column = {name: samples[:, index] for name, index in COLUMN.items()}
+    firings: dict[str, torch.Tensor] = {}
+    if config.nonfinite_engine_tokens is not None:
+        firings["nonfinite_engine"] = column["nonfinite_engine_tokens"] >= config.nonfinite_engine_tokens
+    if config.nonfinite_trainer_tokens is not None:
+        firings["nonfinite_trainer"] = column["nonfinite_trainer_tokens"] >= config.nonfinite_trainer_tokens
+    if config.spike_delta is not None:
+        firings["token_spike"] = column["max_abs_delta"] > config.spike_delta
+    if config.mean_delta is not None:
+        firings["mean_drift"] = column["mean_abs_delta"] > config.mean_delta
+    if config.confident_wrong_tokens is not None:
+        firings["confident_wrong"] = column["confident_wrong_tokens"] >= config.confident_wrong_tokens
+    return firings
+
+
+def judge(samples: torch.Tensor, config: GuardConfig) -> Verdict:
+    reasons = torch.zeros(samples.shape[0], dtype=torch.int32, device=samples.device)
+    for name, fired in rule_firings(samples, config).items():
+        reasons |= fired.to(torch.int32) * RULE_BIT[name]
+    return Verdict(suspect=reasons != 0, reasons=reasons)
+
+
+def rule_names(reasons: int) -> list[str]:
+    return [name for name in RULES if reasons & RULE_BIT[name]]
+
+
+def rule_counts(reasons: torch.Tensor) -> dict[str, int]:
+    """How many samples each rule fired on (a sample can count under several rules)."""
+    bits = torch.tensor([RULE_BIT[name] for name in RULES], dtype=reasons.dtype, device=reasons.device)
+    counts = ((reasons.unsqueeze(-1) & bits) != 0).sum(dim=0)
+    return dict(zip(RULES, counts.tolist(), strict=True))
