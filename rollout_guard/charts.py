@@ -20,9 +20,11 @@ def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: 
     """x: training step; y: max and p99 token |engine − trainer| logprob per step (log scale); threshold line;
     steps with quarantined (or, in monitor mode, suspect) samples marked in red with their count."""
     steps = [row["step"] for row in history]
-    figure, axis = plt.subplots(figsize=(10, 4.2), dpi=110)
+    figure, axis = plt.subplots(figsize=(12, 4.6), dpi=110, layout="constrained")
     axis.plot(steps, _finite([row["max_abs_delta"] for row in history]), color="#1f77b4", marker=".", lw=1.2, label="max |Δ| per step")
     axis.plot(steps, _finite([row["p99_abs_delta"] for row in history]), color="#7f7f7f", lw=0.9, ls="--", label="p99 |Δ| per step")
+    axis.plot(steps, _finite([row.get("kept_max_abs_delta", math.nan) for row in history]), color="#2ca02c", lw=1.0,
+              marker=".", ms=3, label="max |Δ| of samples kept in the loss")
     if spike_delta is not None:
         axis.axhline(spike_delta, color="#d62728", lw=1, ls=":", label=f"token_spike threshold ({spike_delta:g} nats)")
     if mean_delta is not None:
@@ -40,8 +42,8 @@ def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: 
     axis.set_ylabel("|logprob engine − trainer| (nats)")
     axis.set_title(title or "Engine vs trainer logprob difference per step")
     axis.grid(True, which="major", alpha=0.3)
-    axis.legend(loc="upper left", fontsize=8, framealpha=0.9)
-    figure.tight_layout()
+    axis.margins(y=0.15)
+    figure.legend(loc="outside right upper", fontsize=8, frameon=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)

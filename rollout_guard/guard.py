@@ -8,6 +8,7 @@ same numbers.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,6 +145,9 @@ class RolloutGuard:
         metrics["suspect"] = float(report.suspect.sum())
         metrics["quarantined"] = float(report.quarantined.sum())
         metrics["quarantined_share"] = metrics["quarantined"] / total
+        kept = report.column("max_abs_delta")[~report.quarantined]
+        kept = kept[~torch.isnan(kept)]
+        metrics["kept_max_abs_delta"] = float(kept.max()) if kept.numel() else math.nan
         for name, count in rule_counts(report.reasons).items():
             metrics[f"rule/{name}"] = float(count)
         injected = report.column("injected")
@@ -172,6 +176,7 @@ class RolloutGuard:
                 "step": report.step,
                 "max_abs_delta": metrics["max_abs_delta"],
                 "p99_abs_delta": metrics["p99_abs_delta"],
+                "kept_max_abs_delta": metrics["kept_max_abs_delta"],
                 "suspect": metrics["suspect"],
                 "quarantined": metrics["quarantined"],
                 "guard_seconds": metrics["guard_seconds"],

@@ -66,10 +66,11 @@ class ConsoleSink:
     """Prints one table row per guarded step (rich), for people watching a terminal."""
 
     COLUMNS = (
-        ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max |Δ|", "{:.2e}"),
-        ("p99_abs_delta", "p99 |Δ|", "{:.2e}"), ("engine_max_logprob", "engine max lp", "{:.3f}"),
-        ("confident_wrong_tokens", "conf-wrong tok", "{:.0f}"), ("injected", "injected", "{:.0f}"),
-        ("suspect", "suspect", "{:.0f}"), ("quarantined", "quarantined", "{:.0f}"), ("guard_seconds", "guard ms", "{:.1f}"),
+        ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max|Δ|", "{:.2e}"),
+        ("p99_abs_delta", "p99|Δ|", "{:.2e}"), ("kept_max_abs_delta", "kept max|Δ|", "{:.2e}"),
+        ("engine_max_logprob", "eng max lp", "{:.3f}"), ("confident_wrong_tokens", "conf-wrong", "{:.0f}"),
+        ("injected", "injected", "{:.0f}"), ("suspect", "suspect", "{:.0f}"), ("quarantined", "quarant.", "{:.0f}"),
+        ("guard_seconds", "guard ms", "{:.2f}"),
     )
 
     def __init__(self, console=None) -> None:  # noqa: ANN001
@@ -85,15 +86,15 @@ class ConsoleSink:
             if key == "guard_seconds" and value is not None:
                 value = value * 1000
             text = "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else fmt.format(value)
-            cells.append(f"{text:>14}")
+            cells.append(f"{text:>11}")
         return "".join(cells)
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
         if not self._header_printed:
-            self.console.print("".join(f"{title:>14}" for _, title, _ in self.COLUMNS), style="bold", highlight=False)
+            self.console.print("".join(f"{title:>11}" for _, title, _ in self.COLUMNS), style="bold", highlight=False, soft_wrap=True)
             self._header_printed = True
         style = "red" if report.metrics.get("suspect") else None
-        self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False)
+        self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False, soft_wrap=True)
 
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         pass

@@ -111,7 +111,8 @@ def delta_histogram(evidence: RolloutEvidence) -> torch.Tensor:
 def histogram_quantile(counts: torch.Tensor, q: float) -> float:
     """The q-quantile of |Δ| from histogram counts, log-interpolated inside its bin (NaN when empty).
 
-    Accurate to the bin width, 1/8 decade (a factor of 1.33); the overflow bin reports its lower edge.
+    Accurate to the bin width, 1/8 decade (a factor of 1.33); the overflow bin reports its lower edge. Callers
+    that know the exact maximum clip the estimate to it.
     """
     counts = counts.double().cpu()
     total = float(counts.sum())
@@ -153,7 +154,7 @@ def step_aggregates(samples: torch.Tensor, histogram: torch.Tensor) -> dict[str,
         "compared_tokens": float(compared.sum()),
         "max_abs_delta": nanmax(col["max_abs_delta"]),
         "mean_abs_delta": weighted_mean(col["mean_abs_delta"], compared),
-        "p99_abs_delta": histogram_quantile(histogram, 0.99),
+        "p99_abs_delta": min(histogram_quantile(histogram, 0.99), nanmax(col["max_abs_delta"])),
         "kl_k3": weighted_mean(col["kl_k3"], compared),
         "engine_max_logprob": nanmax(col["engine_max_logprob"]),
         "engine_mean_logprob": weighted_mean(col["engine_mean_logprob"], engine_tokens),

@@ -79,7 +79,7 @@ class QuarantineStore:
         if not lines:
             return 0
         payload = ("\n".join(lines) + "\n").encode()
-        if self._fd is not None and os.fstat(self._fd).st_size >= self.max_file_bytes:
+        if self.path.exists() and self.path.stat().st_size >= self.max_file_bytes:
             self.close()
             self._index += 1
         fd = self._descriptor()

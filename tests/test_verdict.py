@@ -1,0 +1,59 @@
+import math
+
+import torch
+
+from rollout_guard.config import GuardConfig
+from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
+from rollout_guard.verdict import RULE_BIT, RULES, judge, rule_counts, rule_names
+
+
+def rows(*overrides: dict) -> torch.Tensor:
+    base = {name: 0.0 for name in SAMPLE_COLUMNS}
+    base.update(tokens=10, compared_tokens=10, max_abs_delta=1e-3, mean_abs_delta=1e-4, first_divergent_token=-1)
+    table = torch.zeros(len(overrides), len(SAMPLE_COLUMNS))
+    for i, override in enumerate(overrides):
+        for name, value in {**base, **override}.items():
+            table[i, COLUMN[name]] = value
+    return table
+
+
+def test_each_rule_fires_alone_on_its_evidence():
+    samples = rows(
+        {},
+        {"max_abs_delta": 9.0},
+        {"mean_abs_delta": 1.5},
+        {"confident_wrong_tokens": 2},
+        {"nonfinite_engine_tokens": 1},
+        {"nonfinite_trainer_tokens": 3},
+    )
+    verdict = judge(samples, GuardConfig())
+    assert verdict.suspect.tolist() == [False, True, True, True, True, True]
+    assert [rule_names(int(r)) for r in verdict.reasons] == [
+        [], ["token_spike"], ["mean_drift"], ["confident_wrong"], ["nonfinite_engine"], ["nonfinite_trainer"]
+    ]
+
+
+def test_thresholds_are_strict_or_inclusive_as_documented():
+    samples = rows({"max_abs_delta": 8.0}, {"mean_abs_delta": 1.0}, {"confident_wrong_tokens": 1})
+    assert judge(samples, GuardConfig()).suspect.tolist() == [False, False, False]
+
+
+def test_nan_statistics_never_fire():
+    samples = rows({"max_abs_delta": math.nan, "mean_abs_delta": math.nan, "compared_tokens": 0})
+    assert not judge(samples, GuardConfig()).suspect.any()
+
+
+def test_disabled_rules_do_not_fire():
+    config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None,
+                         nonfinite_engine_tokens=None, nonfinite_trainer_tokens=None)
+    samples = rows({"max_abs_delta": 50.0, "mean_abs_delta": 50.0, "confident_wrong_tokens": 9, "nonfinite_engine_tokens": 4})
+    assert not judge(samples, config).suspect.any()
+
+
+def test_several_rules_and_counts():
+    samples = rows({"max_abs_delta": 12.0, "mean_abs_delta": 7.0, "confident_wrong_tokens": 5}, {"max_abs_delta": 12.0})
+    verdict = judge(samples, GuardConfig())
+    assert rule_names(int(verdict.reasons[0])) == ["token_spike", "mean_drift", "confident_wrong"]
+    counts = rule_counts(verdict.reasons)
+    assert counts == {"nonfinite_engine": 0, "nonfinite_trainer": 0, "token_spike": 2, "mean_drift": 1, "confident_wrong": 1}
+    assert sorted(RULE_BIT.values()) == [1 << i for i in range(len(RULES))]
