@@ -74,3 +74,20 @@ def enable_trl_colocate_on_vllm_cpu(dtype: str = "float32", enforce_eager: bool 
     vllm_generation.VLLMGeneration.sync_weights = sync_weights
     setattr(vllm_generation, _PATCHED_MARK, True)
     return True
+
+
+def cpu_server_command(model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32", max_model_len: int = 256) -> list[str]:
+    """Command line of a vLLM server on the CPU build that TRL's server mode can generate from.
+
+    Uses ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of the CPU build exits at
+    start-up because it looks up the version of a distribution named ``vllm`` (this one is ``vllm-cpu``). The
+    flags are those ``trl vllm-serve`` sets, minus the NCCL weight-transfer engine, which needs CUDA. Run it with
+    ``VLLM_SERVER_DEV_MODE=1`` in the environment (TRL resets the prefix cache through a dev endpoint).
+    """
+    import sys
+
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host, "--port", str(port),
+        "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+    ]

@@ -1,0 +1,176 @@
+"""One real GRPO scenario (TRL GRPOTrainer + vLLM CPU build + tiny local model), run in its own process.
+
+vLLM's colocated engine initialises torch.distributed and cannot be built twice in one process, so each
+scenario runs here, in a fresh interpreter, and saves what the tests check to ``<out>/result.pt``.
+
+    python tests/integrations/grpo_scenario.py SCENARIO --out DIR --model MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+SCENARIOS = {
+    # name: GRPOConfig overrides, guard mode, injection rate, learning rate
+    "colocate": dict(mode="quarantine", rate=0.3, lr=5e-4, config={}),
+    "monitor": dict(mode="monitor", rate=0.3, lr=5e-4, config={}),
+    "no_is_correction": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"vllm_importance_sampling_correction": False}),
+    "no_vllm": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False}),
+    "no_weight_sync": dict(mode="monitor", rate=None, lr=2e-2, config={}),
+    "server": dict(mode="quarantine", rate=0.3, lr=0.0, config={"vllm_mode": "server"}),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: str, port: int, log_path: Path) -> subprocess.Popen:
+    from rollout_guard.integrations.vllm_cpu import cpu_server_command
+
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    log = log_path.open("w")
+    process = subprocess.Popen(cpu_server_command(model, port, max_model_len=64), env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {process.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process
+        except OSError:
+            time.sleep(1)
+    process.kill()
+    raise TimeoutError(f"vLLM server did not answer /health within 240 s; see {log_path}")
+
+
+def bypass_server_weight_sync() -> None:
+    """Server mode on CPU: TRL's weight sync uses vLLM's NCCL weight-transfer engine, which needs CUDA (it raises
+    NotImplementedError on CPU). This bypasses ONLY the weight sync (init and transfer); generation still goes
+    through the real server. The scenario uses learning_rate=0, so the served weights stay the trainer's."""
+    from trl.generation.vllm_client import VLLMClient
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    VLLMClient.init_communicator = lambda self, device=0: None
+    original_sync = VLLMGeneration.sync_weights
+
+    def sync_weights(self):
+        if self.mode != "server":
+            return original_sync(self)
+        if self.accelerator.is_main_process:
+            self.vllm_client.reset_prefix_cache()
+
+    VLLMGeneration.sync_weights = sync_weights
+
+
+def detach(batch: dict) -> dict:
+    import torch
+
+    return {key: value.detach().cpu().clone() for key, value in batch.items() if isinstance(value, torch.Tensor)}
+
+
+def run(name: str, out: Path, model: str, steps: int) -> None:
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, copy_reward, random_letters
+    from rollout_guard.integrations.trl import attach_guard, inject_stale_context
+    from rollout_guard.integrations.vllm_cpu import enable_trl_colocate_on_vllm_cpu
+
+    spec = SCENARIOS[name]
+    settings = dict(
+        output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=16, num_generations=4,
+        max_completion_length=12, learning_rate=spec["lr"], use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+        bf16=False, use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+    )
+    settings.update(spec["config"])
+    server = None
+    if settings.get("vllm_mode") == "server":
+        port = free_port()
+        server = start_server(model, port, out / "server.log")
+        settings["vllm_server_base_url"] = f"http://127.0.0.1:{port}"
+        bypass_server_weight_sync()
+    else:
+        enable_trl_colocate_on_vllm_cpu()
+    if name == "no_weight_sync":
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        VLLMGeneration.sync_weights = lambda self: None  # negative control: the engine keeps the initial weights
+
+    rng = random.Random(1)
+    recipe = TinyModelRecipe()
+    dataset = Dataset.from_list([{"prompt": copy_prompt(random_letters(rng, recipe))} for _ in range(64)])
+
+    def copy_accuracy(prompts, completions, **_):
+        return [copy_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=copy_accuracy, args=GRPOConfig(**settings), train_dataset=dataset)
+    raw, guarded_batches, rewards, injected, reports = [], [], [], [], []
+    original = trainer._generate_and_score_completions
+
+    def capture_raw(inputs):
+        batch = original(inputs)
+        raw.append(detach(batch))
+        return batch
+
+    trainer._generate_and_score_completions = capture_raw
+    guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"]))
+    if spec["rate"] is not None:
+        injector = inject_stale_context(trainer, rate=spec["rate"], seed=0)
+    else:
+        injector = None
+    guarded_fn = trainer._generate_and_score_completions
+
+    def capture_guarded(inputs):
+        batch = guarded_fn(inputs)
+        guarded_batches.append(detach(batch))
+        rewards.append(None if guarded._rewards_per_func is None else guarded._rewards_per_func.detach().cpu().clone())
+        injected.append(None if injector is None else injector.last_selected.clone())
+        report = guarded.last_report
+        reports.append(None if report is None else {
+            "suspect": report.suspect.clone(), "quarantined": report.quarantined.clone(), "reasons": report.reasons.clone(),
+            "metrics": dict(report.metrics), "overhead_seconds": guarded.last_overhead_seconds,
+        })
+        return batch
+
+    trainer._generate_and_score_completions = capture_guarded
+    started = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    torch.save(
+        {
+            "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": rewards, "injected": injected,
+            "reports": reports, "log_history": trainer.state.log_history, "summary": guarded.guard.summary(),
+            "guard_dir": str(guarded.output_dir), "train_seconds": time.perf_counter() - started,
+            "reward_weights": trainer.reward_weights.clone(), "scale_rewards": trainer.scale_rewards,
+            "num_generations": trainer.num_generations,
+        },
+        out / "result.pt",
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    arguments = parser.parse_args()
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    run(arguments.scenario, arguments.out, arguments.model, arguments.steps)

@@ -1,0 +1,164 @@
+"""End to end: real TRL GRPOTrainer, real vLLM (CPU build), tiny local model, corruption injected.
+
+Each scenario runs in its own process (tests/integrations/grpo_scenario.py); these tests check what it saved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_guard.store import read_records
+
+SCENARIO_SCRIPT = Path(__file__).with_name("grpo_scenario.py")
+
+
+def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp(name)
+    log_path = out / "scenario.log"
+    with log_path.open("w") as log:
+        completed = subprocess.run(
+            [sys.executable, str(SCENARIO_SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps)],
+            stdout=log, stderr=subprocess.STDOUT, timeout=900,
+        )
+    log_text = log_path.read_text()
+    assert completed.returncode == 0, f"scenario {name} failed:\n{log_text[-6000:]}"
+    return torch.load(out / "result.pt", weights_only=False), log_text
+
+
+@pytest.fixture(scope="module")
+def colocate(tmp_path_factory, tiny_model_dir):
+    return run_scenario("colocate", tmp_path_factory, tiny_model_dir)[0]
+
+
+def reference_advantages(rewards: torch.Tensor, group: int, excluded: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Independent reference: per group, mean and Bessel std over the kept samples' rewards only."""
+    out = torch.zeros(rewards.shape[0])
+    total = rewards.nansum(dim=1)
+    for start in range(0, len(total), group):
+        kept = [i for i in range(start, start + group) if not excluded[i]]
+        if len(kept) < 2:
+            continue
+        values = total[kept]
+        mean, std = values.mean(), values.std()
+        for i in kept:
+            out[i] = (total[i] - mean) / (std + eps)
+    return out
+
+
+def check_quarantine_batches(result: dict) -> int:
+    """The shared assertions of a quarantine-mode run; returns how many samples were injected."""
+    group = result["num_generations"]
+    injected_total = 0
+    for step, (raw, guarded, rewards, injected, report) in enumerate(
+        zip(result["raw"], result["guarded"], result["rewards"], result["injected"], result["reports"], strict=True)
+    ):
+        quarantined = report["quarantined"]
+        injected_total += int(injected.sum())
+        # every injected sample quarantined, no clean one
+        assert torch.equal(quarantined, injected), f"step {step}: quarantined {quarantined.tolist()} vs injected {injected.tolist()}"
+        # zero loss mask on quarantined rows; other rows untouched
+        assert not guarded["completion_mask"][quarantined].any()
+        assert torch.equal(guarded["completion_mask"][~quarantined], raw["completion_mask"][~quarantined])
+        # TRL's own advantages equal the reference with nothing excluded (the reference is right) ...
+        assert torch.allclose(raw["advantages"], reference_advantages(rewards, group, torch.zeros_like(quarantined)), atol=1e-5)
+        # ... and the guarded advantages equal it with the quarantined samples left out of their groups
+        assert torch.allclose(guarded["advantages"], reference_advantages(rewards, group, quarantined), atol=1e-5)
+        assert (guarded["advantages"][quarantined] == 0).all()
+        untouched_groups = ~quarantined.view(-1, group).any(dim=1).repeat_interleave(group)
+        assert torch.equal(guarded["advantages"][untouched_groups], raw["advantages"][untouched_groups])
+        # the loss normaliser counts exactly the loss tokens that remain
+        assert int(guarded["num_items_in_batch"]) == int(guarded["completion_mask"].sum())
+        assert int(raw["num_items_in_batch"]) == int(raw["completion_mask"].sum())
+    return injected_total
+
+
+def test_colocate_quarantines_exactly_the_injected_samples(colocate):
+    injected_total = check_quarantine_batches(colocate)
+    assert injected_total >= 3, "the scenario must inject enough samples to mean something"
+    assert colocate["summary"]["quarantined"] == injected_total
+    assert colocate["summary"]["caught"] == injected_total and colocate["summary"]["false_alarms"] == 0
+
+
+def test_colocate_engine_stays_in_sync_with_the_trainer(colocate):
+    """The CPU shim's weight sync keeps clean samples at fp32 agreement while the weights change (lr 5e-4)."""
+    assert colocate["raw"][0]["advantages"].abs().sum() > 0
+    assert any(float(row.get("grad_norm", 0) or 0) > 0 for row in colocate["log_history"])
+    for report in colocate["reports"]:
+        assert report["metrics"]["kept_max_abs_delta"] < 1e-3
+
+
+def test_colocate_logs_step_metrics_and_writes_evidence(colocate):
+    guard_dir = Path(colocate["guard_dir"])
+    lines = [json.loads(line) for line in (guard_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(len(colocate["reports"])))
+    for line, report in zip(lines, colocate["reports"], strict=True):
+        assert line["quarantined"] == report["metrics"]["quarantined"]
+        assert line["max_abs_delta"] == pytest.approx(report["metrics"]["max_abs_delta"])
+    logged = [row for row in colocate["log_history"] if "rollout_guard/max_abs_delta" in row]
+    assert len(logged) == len(colocate["reports"])
+    assert (guard_dir / "spikes.png").stat().st_size > 10_000
+    records = list(read_records(guard_dir / "quarantine"))
+    assert len(records) == colocate["summary"]["quarantined"]
+    for record in records:
+        assert record.injected is True and record.action == "quarantined" and record.rules
+        assert record.prompt_text.endswith("=") and len(record.completion_ids) == len(record.engine_logprobs)
+        engine_mean = sum(record.engine_logprobs) / len(record.engine_logprobs)
+        trainer_mean = sum(record.trainer_logprobs) / len(record.trainer_logprobs)
+        assert engine_mean > -1.0 > trainer_mean + 2.0  # the signature: engine confident, trainer far lower
+        assert record.advantage_after == 0.0 and record.sampling["temperature"] == 1.0
+        assert record.engine["name"] == "vllm" and record.engine["mode"] == "colocate"
+
+
+def test_monitor_mode_reports_but_changes_nothing(tmp_path_factory, tiny_model_dir):
+    result, _ = run_scenario("monitor", tmp_path_factory, tiny_model_dir)
+    assert sum(int(i.sum()) for i in result["injected"]) >= 3
+    for raw, guarded, injected, report in zip(result["raw"], result["guarded"], result["injected"], result["reports"], strict=True):
+        assert torch.equal(report["suspect"], injected)
+        assert not report["quarantined"].any()
+        assert raw.keys() == guarded.keys()
+        for key in raw:
+            assert torch.equal(raw[key].nan_to_num(123.0), guarded[key].nan_to_num(123.0)), key
+    records = list(read_records(Path(result["guard_dir"]) / "quarantine"))
+    assert records and all(record.action == "monitored" for record in records)
+
+
+def test_without_importance_sampling_the_guard_computes_trainer_logprobs(tmp_path_factory, tiny_model_dir):
+    result, log = run_scenario("no_is_correction", tmp_path_factory, tiny_model_dir)
+    assert all("old_per_token_logps" not in raw for raw in result["raw"])
+    assert check_quarantine_batches(result) >= 3
+    assert log.count("extra no-grad forward pass") == 1
+
+
+def test_without_vllm_the_guard_checks_confidence_only(tmp_path_factory, tiny_model_dir):
+    result, log = run_scenario("no_vllm", tmp_path_factory, tiny_model_dir)
+    assert all("sampling_per_token_logps" not in raw for raw in result["raw"])
+    assert log.count("use_vllm=False") == 1
+    for report in result["reports"]:
+        metrics = report["metrics"]
+        assert math.isnan(metrics["max_abs_delta"]) and not report["suspect"].any()
+        assert -5.0 < metrics["trainer_mean_logprob"] < 0.0 and metrics["trainer_max_logprob"] <= 0.0
+    assert result["summary"]["rollouts"] == 16 * len(result["reports"])
+
+
+def test_without_weight_sync_the_engine_drifts(tmp_path_factory, tiny_model_dir):
+    """Negative control for the CPU shim: with sync disabled and a large learning rate, engine and trainer
+    disagree more and more (the measurement the sync test relies on can fail)."""
+    result, _ = run_scenario("no_weight_sync", tmp_path_factory, tiny_model_dir)
+    drift = [report["metrics"]["max_abs_delta"] for report in result["reports"]]
+    assert drift[0] < 1e-3 and drift[-1] > 0.1, drift
+
+
+def test_server_mode_quarantines_exactly_the_injected_samples(tmp_path_factory, tiny_model_dir):
+    """vllm_mode='server' against a real vLLM server process (CPU build). Only TRL's weight sync is bypassed (it
+    needs CUDA/NCCL); learning_rate=0 keeps the served weights equal to the trainer's. See grpo_scenario.py."""
+    result, _ = run_scenario("server", tmp_path_factory, tiny_model_dir)
+    assert check_quarantine_batches(result) >= 3
+    records = list(read_records(Path(result["guard_dir"]) / "quarantine"))
+    assert records and all(record.engine["mode"] == "server" for record in records)
