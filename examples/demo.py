@@ -81,13 +81,13 @@ def main(argv: list[str] | None = None) -> dict:
     guarded = attach_guard(trainer, config, sinks=[LocalFilesSink(guard_dir, config), ConsoleSink(console)])
     injector = inject_stale_context(trainer, rate=args.rate, seed=args.seed)
 
-    step_seconds = []
     train_started = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - train_started
     history = trainer.state.log_history
     step_seconds = [row["step_time"] for row in history if "step_time" in row]
 
+    rewards = [row["reward"] for row in history if "reward" in row and "train_runtime" not in row]
     summary = guarded.guard.summary()
     history_rows = guarded.guard.totals.history
     guard_ms = [row.get("guard_seconds", float("nan")) for row in history_rows]
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
         "false_quarantines": summary.get("false_alarms", 0),
         "rules": {key.removeprefix("rule/"): value for key, value in summary.items() if key.startswith("rule/")},
         "steps": summary["steps"],
+        "reward_first_log": round(rewards[0], 3) if rewards else None,
+        "reward_last_log": round(rewards[-1], 3) if rewards else None,
         "train_seconds": round(train_seconds, 2),
         "mean_step_seconds_trl": round(sum(step_seconds) / len(step_seconds), 4) if step_seconds else None,
         "mean_guard_seconds": round(sum(guard_ms) / len(guard_ms), 5) if guard_ms else None,

@@ -158,6 +158,6 @@ def build_tiny_model(cache_dir: str | Path, recipe: TinyModelRecipe | None = Non
     partial.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
-    (partial / "recipe.json").write_text(json.dumps({**asdict(recipe), "final_loss": float(loss)}, indent=2))
+    (partial / "recipe.json").write_text(json.dumps({**asdict(recipe), "final_loss": loss.item()}, indent=2))
     partial.rename(target)
     return target

@@ -73,6 +73,51 @@ def bypass_server_weight_sync() -> None:
     VLLMGeneration.sync_weights = sync_weights
 
 
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
+
+def loss_invariance(trainer, raw: dict, guarded: dict) -> dict:
+    """For each TRL loss type: the loss of the guarded batch does not change when the quarantined rows' tokens,
+    logprobs and advantages are replaced by garbage; the unguarded batch's loss does (control)."""
+    import torch
+
+    quarantined = (guarded["completion_mask"].sum(dim=1) == 0) & (raw["completion_mask"].sum(dim=1) > 0)
+    generator = torch.Generator().manual_seed(0)
+
+    def garbage(batch: dict) -> dict:
+        batch = dict(batch)
+        ids = batch["completion_ids"].clone()
+        ids[quarantined] = torch.randint(4, 30, ids[quarantined].shape, generator=generator)
+        batch["completion_ids"] = ids
+        for key in ("old_per_token_logps", "sampling_per_token_logps"):
+            if key in batch:
+                values = batch[key].clone()
+                values[quarantined] = -20.0 * torch.rand(values[quarantined].shape, generator=generator)
+                batch[key] = values
+        advantages = batch["advantages"].clone()
+        advantages[quarantined] = 5.0
+        batch["advantages"] = advantages
+        if "importance_sampling_ratio" in batch:  # TRL's IS correction would scale a garbage row by ~0; undo that
+            ratio = batch["importance_sampling_ratio"].clone()
+            ratio[quarantined] = 1.0
+            batch["importance_sampling_ratio"] = ratio
+        return batch
+
+    results, saved = {}, (trainer.loss_type, trainer.importance_sampling_level)
+    with torch.no_grad():
+        for loss_type in LOSS_TYPES:
+            trainer.loss_type = loss_type
+            trainer.importance_sampling_level = "sequence" if loss_type == "luspo" else saved[1]
+            results[loss_type] = {
+                "guarded": float(trainer._compute_loss(trainer.model, guarded)),
+                "guarded_garbage": float(trainer._compute_loss(trainer.model, garbage(guarded))),
+                "raw": float(trainer._compute_loss(trainer.model, raw)),
+                "raw_garbage": float(trainer._compute_loss(trainer.model, garbage(raw))),
+            }
+    trainer.loss_type, trainer.importance_sampling_level = saved
+    return {"quarantined_rows": int(quarantined.sum()), "losses": results}
+
+
 def detach(batch: dict) -> dict:
     import torch
 
@@ -153,8 +198,17 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
         if server is not None:
             server.terminate()
             server.wait(timeout=60)
+    invariance = None
+    if name == "colocate":
+        usable = [
+            i for i, batch in enumerate(guarded_batches)
+            if batch["completion_mask"].sum(1).eq(0).any() and batch["advantages"].abs().sum() > 0
+        ]
+        step = usable[0]
+        invariance = loss_invariance(trainer, raw[step], guarded_batches[step])
     torch.save(
         {
+            "loss_invariance": invariance,
             "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": rewards, "injected": injected,
             "reports": reports, "log_history": trainer.state.log_history, "summary": guarded.guard.summary(),
             "guard_dir": str(guarded.output_dir), "train_seconds": time.perf_counter() - started,

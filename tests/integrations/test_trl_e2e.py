@@ -86,6 +86,16 @@ def test_colocate_quarantines_exactly_the_injected_samples(colocate):
     assert colocate["summary"]["caught"] == injected_total and colocate["summary"]["false_alarms"] == 0
 
 
+def test_quarantined_rows_cannot_move_the_loss_for_any_trl_loss_type(colocate):
+    invariance = colocate["loss_invariance"]
+    assert invariance["quarantined_rows"] >= 1
+    assert set(invariance["losses"]) == {"grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"}
+    for loss_type, losses in invariance["losses"].items():
+        assert losses["guarded"] != 0.0, f"{loss_type}: the kept samples must carry a loss for this to mean something"
+        assert losses["guarded"] == losses["guarded_garbage"], loss_type
+        assert losses["raw"] != losses["raw_garbage"], f"{loss_type}: the control did not move"
+
+
 def test_colocate_engine_stays_in_sync_with_the_trainer(colocate):
     """The CPU shim's weight sync keeps clean samples at fp32 agreement while the weights change (lr 5e-4)."""
     assert colocate["raw"][0]["advantages"].abs().sum() > 0
