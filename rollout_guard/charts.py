@@ -49,3 +49,60 @@ def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: 
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def token_chart(record, path: str | Path) -> Path:  # noqa: ANN001 - a QuarantineRecord
+    """One suspect sample token by token: engine and trainer logprob of each completion token, the decoded
+    tokens on the x axis, the first divergent token marked."""
+    tokens = record.completion_tokens or [str(token) for token in record.completion_ids]
+    positions = list(range(len(tokens)))
+    engine = [math.nan if v is None else v for v in (record.engine_logprobs or [None] * len(tokens))]
+    trainer = [math.nan if v is None else v for v in (record.trainer_logprobs or [None] * len(tokens))]
+    width = min(max(8.0, 0.35 * len(tokens) + 3), 40.0)
+    figure, axis = plt.subplots(figsize=(width, 4.2), dpi=110, layout="constrained")
+    axis.plot(positions, engine, color="#1f77b4", marker="o", ms=4, lw=1.2, label="engine (vLLM) logprob")
+    axis.plot(positions, trainer, color="#d62728", marker="s", ms=4, lw=1.2, label="trainer logprob, same prompt")
+    axis.fill_between(positions, engine, trainer, color="#d62728", alpha=0.08)
+    first = record.stats.get("first_divergent_token")
+    first = int(first) if first is not None else -1
+    if 0 <= first < len(tokens):
+        axis.axvline(first, color="#ff7f0e", ls="--", lw=1.2, label=f"first divergent token (#{first})")
+    axis.set_xticks(positions)
+    axis.set_xticklabels([repr(token)[1:-1] for token in tokens], rotation=90 if len(tokens) > 20 else 0, fontsize=8)
+    axis.set_ylabel("logprob of the sampled token (nats)")
+    axis.set_xlabel("completion token")
+    prompt = record.prompt_text if len(record.prompt_text) <= 80 else "…" + record.prompt_text[-79:]
+    max_delta = record.stats.get("max_abs_delta")
+    axis.set_title(
+        f"step {record.step}, rollout {record.global_row}: max |Δ| {max_delta:.3g} nats, rules: {', '.join(record.rules)}\n"
+        f"prompt: {prompt!r}",
+        fontsize=9,
+    )
+    axis.grid(True, alpha=0.3)
+    figure.legend(loc="outside right upper", fontsize=8, frameon=False)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def delta_heatmap(steps: Sequence[int], histograms: Sequence[Sequence[float]], bin_edges: Sequence[float], path: str | Path) -> Path:
+    """Per-step histogram of token |Δ| with fixed bin edges, as a heatmap: x = step, y = |Δ| (log), colour = tokens."""
+    import numpy as np
+
+    counts = np.asarray(histograms, dtype=float).T  # (bins, steps)
+    edges = np.log10(np.clip(np.asarray(bin_edges, dtype=float), 1e-7, None))
+    edges = np.append(edges, edges[-1] + (edges[-1] - edges[-2]))  # close the overflow bin for drawing
+    x = np.append(np.asarray(steps, dtype=float), (steps[-1] + 1) if len(steps) else 1) - 0.5
+    figure, axis = plt.subplots(figsize=(12, 4.2), dpi=110, layout="constrained")
+    mesh = axis.pcolormesh(x, edges, np.log10(counts + 1), cmap="viridis", shading="flat")
+    figure.colorbar(mesh, ax=axis, label="log10(tokens + 1)")
+    axis.set_xlabel("training step")
+    axis.set_ylabel("log10 |logprob engine − trainer|")
+    axis.set_title("Token |Δ| histogram per step (fixed bins; the bottom row is |Δ| < 1e-6)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path

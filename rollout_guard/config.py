@@ -72,6 +72,28 @@ class GuardConfig:
     """steps. Redraw the local spike chart every this many guarded steps (and at the end of training).
     Default 25."""
 
+    image_every_steps: int = 50
+    """steps. Charts sent to W&B as images (spike chart, worst sample token by token) at least every this many
+    steps. Default 50."""
+
+    spike_image_min_gap_steps: int = 10
+    """steps. On a step with suspect samples, images are sent again only if the last ones are at least this old,
+    so a run full of spikes does not send an image per step. Default 10."""
+
+    alert_jump: float = 3.0
+    """× baseline. An alert fires when the quarantined share or the max |Δ| exceeds this multiple of its running
+    baseline (an exponential moving average over past steps). Default 3.0."""
+
+    alert_min_share: float = 0.02
+    """share of rollouts (0–1). The quarantine-rate alert also needs at least this share in the step, so one
+    sample in a large batch does not page anyone (it is still quarantined and tabled). Default 0.02."""
+
+    alert_baseline_steps: int = 50
+    """steps. Horizon of the running baselines (EMA weight 2 / (n + 1)). Default 50."""
+
+    alert_cooldown_steps: int = 100
+    """steps. At most one alert of each kind per this many steps. Default 100."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise GuardConfigError("mode", self.mode, f"use one of {MODES}")
@@ -89,8 +111,14 @@ class GuardConfig:
                 raise GuardConfigError(name, value, "use a log-probability in nats (≤ 0), e.g. math.log(0.5)")
         if not (isinstance(self.divergence_delta, (int, float)) and self.divergence_delta > 0):
             raise GuardConfigError("divergence_delta", self.divergence_delta, "use a positive number of nats")
-        if not (isinstance(self.chart_every_steps, int) and self.chart_every_steps >= 1):
-            raise GuardConfigError("chart_every_steps", self.chart_every_steps, "use a whole number of steps ≥ 1")
+        for name in ("chart_every_steps", "image_every_steps", "spike_image_min_gap_steps", "alert_baseline_steps", "alert_cooldown_steps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise GuardConfigError(name, value, "use a whole number of steps ≥ 1")
+        if not (isinstance(self.alert_jump, (int, float)) and self.alert_jump >= 1.0):
+            raise GuardConfigError("alert_jump", self.alert_jump, "use a factor ≥ 1 (3.0 alerts at three times the baseline)")
+        if not (isinstance(self.alert_min_share, (int, float)) and 0.0 <= self.alert_min_share <= 1.0):
+            raise GuardConfigError("alert_min_share", self.alert_min_share, "use a share between 0 and 1")
 
     @property
     def quarantines(self) -> bool:

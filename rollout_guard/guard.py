@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_guard.alerts import Alert, AlertMonitor
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, delta_histogram, sample_statistics, step_aggregates
@@ -40,6 +41,7 @@ class StepReport:
     local_rows: slice  # this process's rows within the global batch
     local_quarantined: torch.Tensor  # (B,) bool on the evidence's device
     metrics: dict[str, float] = field(default_factory=dict)
+    alerts: list[Alert] = field(default_factory=list)
 
     @property
     def any_quarantined(self) -> bool:
@@ -97,6 +99,7 @@ class RolloutGuard:
         self.gather = gather or _no_gather
         self.process_index = process_index
         self.totals = GuardTotals()
+        self.alerts = AlertMonitor(self.config)
         self.last_guard_seconds = 0.0
 
     def inspect(self, evidence: RolloutEvidence, step: int) -> StepReport:
@@ -134,6 +137,7 @@ class RolloutGuard:
             local_quarantined=local_quarantined,
         )
         report.metrics = self._step_metrics(report)
+        report.alerts = self.alerts.check(step, report.metrics)
         self.last_guard_seconds = time.perf_counter() - started
         report.metrics["guard_seconds"] = self.last_guard_seconds
         self._update_totals(report)
@@ -144,6 +148,7 @@ class RolloutGuard:
         total = max(report.samples.shape[0], 1)
         metrics["suspect"] = float(report.suspect.sum())
         metrics["quarantined"] = float(report.quarantined.sum())
+        metrics["suspect_share"] = metrics["suspect"] / total
         metrics["quarantined_share"] = metrics["quarantined"] / total
         kept = report.column("max_abs_delta")[~report.quarantined]
         kept = kept[~torch.isnan(kept)]
@@ -184,16 +189,18 @@ class RolloutGuard:
         )
 
     def state_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "totals": self.totals.to_dict()}
+        return {"config": self.config.to_dict(), "totals": self.totals.to_dict(), "alerts": self.alerts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.totals = GuardTotals.from_dict(state["totals"])
+        self.alerts.load_state_dict(state["alerts"])
 
     def summary(self) -> dict[str, float]:
         totals = self.totals
         summary = {
             "steps": totals.steps, "rollouts": totals.rollouts, "suspect": totals.suspect,
-            "quarantined": totals.quarantined, **{f"rule/{k}": v for k, v in totals.rule_counts.items()},
+            "quarantined": totals.quarantined, "alerts": self.alerts.sent,
+            **{f"rule/{k}": v for k, v in totals.rule_counts.items()},
         }
         if totals.labelled_steps:
             summary.update(injected=totals.injected, caught=totals.caught, missed=totals.injected - totals.caught,

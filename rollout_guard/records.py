@@ -21,7 +21,7 @@ class QuarantineRecord:
     NaN/±inf) is ``null`` in JSON and counted in ``stats``.
     """
 
-    step: int  # trainer global step at generation time
+    step: int  # the 1-based training step (as TRL logs it) whose update first uses this rollout
     process_index: int
     row: int  # row in this process's generation batch
     global_row: int  # row in the gathered batch (group = global_row // group_size)
@@ -33,6 +33,7 @@ class QuarantineRecord:
     completion_ids: list[int]
     prompt_text: str
     completion_text: str
+    completion_tokens: list[str]  # each completion token decoded on its own, for token-by-token views
     engine_logprobs: list[float | None] | None
     trainer_logprobs: list[float | None] | None
     reward: float | None  # weighted sum over reward functions

@@ -1,7 +1,8 @@
 """Sinks: where reports go. One hook per event, called on the main process only.
 
-``on_step`` after every guarded step, ``on_records`` when a step has suspect samples, ``on_end`` when training
-ends. :class:`LocalFilesSink` writes everything to a folder, for people without W&B.
+``on_records`` when a step has suspect samples, ``on_step`` after every guarded step (with the step's alerts),
+``on_end`` when training ends. :class:`LocalFilesSink` writes everything to a folder, for people without W&B;
+``rollout-guard report`` turns that folder into one HTML page.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from rollout_guard.store import QuarantineStore
 
 
 class Sink(Protocol):
-    def on_step(self, report: StepReport, guard: RolloutGuard) -> None: ...
+    def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
+        """Suspect samples of the current step, from all processes (called before ``on_step``)."""
 
-    def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None: ...
+    def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
+        """Once per guarded step, after ``on_records``; ``report.alerts`` holds the step's alerts."""
 
-    def on_end(self, guard: RolloutGuard) -> None: ...
+    def on_end(self, guard: RolloutGuard) -> None:
+        """Training ended; flush and close."""
 
 
 def json_safe(metrics: dict[str, float]) -> dict[str, float | None]:
@@ -31,7 +35,8 @@ def json_safe(metrics: dict[str, float]) -> dict[str, float | None]:
 
 
 class LocalFilesSink:
-    """Writes ``metrics.jsonl`` (one line per step), the quarantine store, ``spikes.png`` and ``summary.json``."""
+    """Writes ``metrics.jsonl`` (one line per step, with the step's |Δ| histogram), ``alerts.jsonl``, the
+    quarantine store, ``spikes.png`` and ``summary.json``."""
 
     def __init__(self, directory: str | Path, config: GuardConfig) -> None:
         self.directory = Path(directory)
@@ -39,12 +44,18 @@ class LocalFilesSink:
         self.config = config
         self.store = QuarantineStore(self.directory / "quarantine")
         self.metrics_path = self.directory / "metrics.jsonl"
+        self.alerts_path = self.directory / "alerts.jsonl"
         self.chart_path = self.directory / "spikes.png"
         (self.directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
+        row = {"step": report.step, **json_safe(report.metrics), "delta_histogram": report.delta_histogram.tolist()}
         with self.metrics_path.open("a") as handle:
-            handle.write(json.dumps({"step": report.step, **json_safe(report.metrics)}) + "\n")
+            handle.write(json.dumps(row) + "\n")
+        if report.alerts:
+            with self.alerts_path.open("a") as handle:
+                for alert in report.alerts:
+                    handle.write(json.dumps(json_safe(alert.to_dict())) + "\n")
         if guard.totals.steps % self.config.chart_every_steps == 0:
             self.draw_chart(guard)
 
@@ -95,6 +106,8 @@ class ConsoleSink:
             self._header_printed = True
         style = "red" if report.metrics.get("suspect") else None
         self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False, soft_wrap=True)
+        for alert in report.alerts:
+            self.console.print(f"ALERT {alert.title}", style="bold red", highlight=False, soft_wrap=True)
 
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         pass

@@ -10,7 +10,7 @@ def record(step: int, row: int = 0) -> QuarantineRecord:
     return QuarantineRecord(
         step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["token_spike"],
         stats={"max_abs_delta": 12.5, "kl_k3": float("nan")}, prompt_ids=[1, 2], completion_ids=[3, 4],
-        prompt_text="ab=", completion_text="xy", engine_logprobs=[-0.1, float("nan")], trainer_logprobs=[-9.0, -8.0],
+        prompt_text="ab=", completion_text="xy", completion_tokens=["x", "y"], engine_logprobs=[-0.1, float("nan")], trainer_logprobs=[-9.0, -8.0],
         reward=0.25, rewards_per_func={"copy": 0.25}, advantage_before=-1.0, advantage_after=0.0,
         sampling={"temperature": 1.0}, model="tiny", engine={"name": "vllm"}, injected=True, created_unix=1.0,
     )

@@ -25,6 +25,8 @@ SCENARIOS = {
     "no_vllm": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False}),
     "no_weight_sync": dict(mode="monitor", rate=None, lr=2e-2, config={}),
     "server": dict(mode="quarantine", rate=0.3, lr=0.0, config={"vllm_mode": "server"}),
+    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4,
+                     config={"report_to": ["wandb", "trackio"], "project": "rollout-guard-test", "run_name": "trackers"}),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +23,17 @@ SCENARIO_SCRIPT = Path(__file__).with_name("grpo_scenario.py")
 def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp(name)
     log_path = out / "scenario.log"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(out), "TRACKIO_DIR": str(out / "trackio"), "WANDB_SILENT": "true"}
     with log_path.open("w") as log:
         completed = subprocess.run(
             [sys.executable, str(SCENARIO_SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps)],
-            stdout=log, stderr=subprocess.STDOUT, timeout=900,
+            stdout=log, stderr=subprocess.STDOUT, timeout=900, env=env,
         )
     log_text = log_path.read_text()
     assert completed.returncode == 0, f"scenario {name} failed:\n{log_text[-6000:]}"
-    return torch.load(out / "result.pt", weights_only=False), log_text
+    result = torch.load(out / "result.pt", weights_only=False)
+    result["out"] = out
+    return result, log_text
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +111,7 @@ def test_colocate_engine_stays_in_sync_with_the_trainer(colocate):
 def test_colocate_logs_step_metrics_and_writes_evidence(colocate):
     guard_dir = Path(colocate["guard_dir"])
     lines = [json.loads(line) for line in (guard_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == list(range(len(colocate["reports"])))
+    assert [line["step"] for line in lines] == list(range(1, len(colocate["reports"]) + 1))
     for line, report in zip(lines, colocate["reports"], strict=True):
         assert line["quarantined"] == report["metrics"]["quarantined"]
         assert line["max_abs_delta"] == pytest.approx(report["metrics"]["max_abs_delta"])

@@ -1,0 +1,92 @@
+"""Alerts: notice when the quarantine rate or the max |Δ| jumps past its running baseline, throttled.
+
+Baselines are exponential moving averages over past steps (the max |Δ| one in log space, since |Δ| spans
+decades), updated after each check so a jump is compared with what came before it. An alert of a kind is sent
+at most once per ``alert_cooldown_steps``, so a bad hour does not send hundreds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from rollout_guard.config import GuardConfig
+
+
+@dataclass(frozen=True)
+class Alert:
+    kind: str  # "quarantine_rate" | "max_abs_delta" | "circuit_breaker"
+    level: str  # "WARN" | "ERROR"
+    step: int
+    value: float
+    baseline: float
+    title: str
+    text: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class AlertMonitor:
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self.alpha = 2.0 / (config.alert_baseline_steps + 1)
+        self.share_baseline: float | None = None
+        self.log_delta_baseline: float | None = None
+        self.last_alert_step: dict[str, int] = {}
+        self.sent = 0
+
+    def _cooled_down(self, kind: str, step: int) -> bool:
+        last = self.last_alert_step.get(kind)
+        return last is None or step - last >= self.config.alert_cooldown_steps
+
+    def check(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        config, alerts = self.config, []
+        share = metrics.get("quarantined_share" if config.quarantines else "suspect_share", 0.0)
+        share_baseline = self.share_baseline if self.share_baseline is not None else 0.0
+        if share >= config.alert_min_share and share > config.alert_jump * share_baseline and self._cooled_down("quarantine_rate", step):
+            verb = "quarantined" if config.quarantines else "flagged (monitor mode)"
+            alerts.append(Alert(
+                "quarantine_rate", "WARN", step, share, share_baseline,
+                f"rollout_guard: {share:.1%} of rollouts {verb} at step {step}",
+                f"{int(metrics.get('suspect', 0))} of {int(metrics.get('samples', 0))} rollouts at step {step} were "
+                f"suspect (running baseline {share_baseline:.2%}). Max |Δ| {metrics.get('max_abs_delta', math.nan):.3g} "
+                "nats. Rules: " + ", ".join(f"{k.removeprefix('rule/')}={int(v)}" for k, v in metrics.items() if k.startswith("rule/") and v),
+            ))
+        max_delta = metrics.get("max_abs_delta", math.nan)
+        if math.isfinite(max_delta) and max_delta > 0:
+            baseline = math.exp(self.log_delta_baseline) if self.log_delta_baseline is not None else None
+            threshold = config.spike_delta if config.spike_delta is not None else config.mean_delta or 0.0
+            if (
+                max_delta > threshold
+                and (baseline is None or max_delta > config.alert_jump * baseline)
+                and self._cooled_down("max_abs_delta", step)
+            ):
+                alerts.append(Alert(
+                    "max_abs_delta", "WARN", step, max_delta, baseline if baseline is not None else math.nan,
+                    f"rollout_guard: logprob spike of {max_delta:.3g} nats at step {step}",
+                    f"Engine and trainer disagree by {max_delta:.3g} nats on one token at step {step} "
+                    + (f"(running baseline {baseline:.3g} nats)." if baseline is not None else "(first measurement).")
+                    + f" p99 |Δ| {metrics.get('p99_abs_delta', math.nan):.3g} nats.",
+                ))
+            log_delta = math.log(max_delta)
+            self.log_delta_baseline = log_delta if self.log_delta_baseline is None else (
+                (1 - self.alpha) * self.log_delta_baseline + self.alpha * log_delta
+            )
+        self.share_baseline = share if self.share_baseline is None else (1 - self.alpha) * self.share_baseline + self.alpha * share
+        for alert in alerts:
+            self.last_alert_step[alert.kind] = step
+        self.sent += len(alerts)
+        return alerts
+
+    def state_dict(self) -> dict:
+        return {
+            "share_baseline": self.share_baseline, "log_delta_baseline": self.log_delta_baseline,
+            "last_alert_step": dict(self.last_alert_step), "sent": self.sent,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.share_baseline = state["share_baseline"]
+        self.log_delta_baseline = state["log_delta_baseline"]
+        self.last_alert_step = dict(state["last_alert_step"])
+        self.sent = state["sent"]

@@ -1,0 +1,120 @@
+"""A self-contained HTML report (charts embedded) built from the guard's local files, for people without W&B."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+
+from rollout_guard.charts import delta_heatmap, spike_chart, token_chart
+from rollout_guard.records import QuarantineRecord
+from rollout_guard.statistics import DELTA_BIN_EDGES
+from rollout_guard.store import read_records
+
+
+def resolve_run_dir(path: str | Path) -> Path:
+    """The guard's folder: ``path`` itself if it holds metrics.jsonl, else ``path/rollout_guard``."""
+    path = Path(path)
+    for candidate in (path, path / "rollout_guard"):
+        if (candidate / "metrics.jsonl").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{path}: no metrics.jsonl here or in {path / 'rollout_guard'}; pass the guard's output_dir "
+        "(by default <trainer output_dir>/rollout_guard)"
+    )
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line from an interrupted run
+    return rows
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return "–" if not math.isfinite(value) else f"{value:.4g}"
+    return "–" if value is None else str(value)
+
+
+def build_report(run_dir: str | Path, output: str | Path | None = None, top: int = 10) -> Path:
+    """Write ``report.html`` (and its PNGs under ``report/``) for a guard output folder; returns the HTML path."""
+    run_dir = resolve_run_dir(run_dir)
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    alerts = _read_jsonl(run_dir / "alerts.jsonl")
+    records: list[QuarantineRecord] = list(read_records(run_dir / "quarantine"))
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    figures = run_dir / "report"
+    history = [
+        {key: _nan(row.get(key)) if key != "step" else row["step"] for key in
+         ("step", "max_abs_delta", "p99_abs_delta", "kept_max_abs_delta", "suspect", "quarantined")}
+        for row in metrics
+    ]
+    sections = []
+    if history:
+        chart = spike_chart(history, config.get("spike_delta"), config.get("mean_delta"), figures / "spikes.png")
+        sections.append(f"<h2>|Δ| per step</h2>{_img(chart, 'spike chart')}")
+        histograms = [row["delta_histogram"] for row in metrics if row.get("delta_histogram")]
+        if histograms and len(histograms) == len(metrics):
+            heatmap = delta_heatmap([row["step"] for row in metrics], histograms, DELTA_BIN_EDGES.tolist(), figures / "histogram.png")
+            sections.append(f"<h2>Token |Δ| histogram per step</h2>{_img(heatmap, 'histogram heatmap')}")
+    if alerts:
+        items = "".join(f"<li><b>step {a['step']}</b>: {html.escape(a['title'])}<br><small>{html.escape(a['text'])}</small></li>" for a in alerts)
+        sections.append(f"<h2>Alerts ({len(alerts)})</h2><ul>{items}</ul>")
+    worst = sorted(records, key=lambda record: -(record.stats.get("max_abs_delta") or 0.0))[:top]
+    if worst:
+        plots = "".join(
+            _img(token_chart(record, figures / f"worst_{index:02d}_step{record.step}_row{record.global_row}.png"), f"rollout {record.global_row}")
+            for index, record in enumerate(worst)
+        )
+        sections.append(f"<h2>Worst {len(worst)} samples, token by token</h2>{plots}")
+    if records:
+        header = ("step", "rollout", "action", "rules", "prompt", "completion", "reward", "max |Δ|", "mean |Δ|", "first divergent", "injected")
+        body = []
+        for record in records:
+            first = record.stats.get("first_divergent_token")
+            first_text = ""
+            if first is not None and 0 <= first < len(record.completion_tokens):
+                first_text = f"#{int(first)} {record.completion_tokens[int(first)]!r}"
+            cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text, record.completion_text,
+                     record.reward, _nan(record.stats.get("max_abs_delta")), _nan(record.stats.get("mean_abs_delta")), first_text, record.injected)
+            body.append("<tr>" + "".join(f"<td>{html.escape(_fmt(cell))}</td>" for cell in cells) + "</tr>")
+        sections.append(
+            f"<h2>Quarantined samples ({len(records)})</h2><table><tr>"
+            + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" + "".join(body) + "</table>"
+        )
+    summary = {
+        "steps": len(metrics),
+        "rollouts": int(sum(row.get("samples") or 0 for row in metrics)),
+        "suspect": int(sum(row.get("suspect") or 0 for row in metrics)),
+        "quarantined": int(sum(row.get("quarantined") or 0 for row in metrics)),
+        "alerts": len(alerts),
+        "records in store": len(records),
+    }
+    summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in summary.items())
+    config_html = html.escape(json.dumps(config, indent=1))
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout_guard report</title>
+<style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} img{{max-width:100%;display:block;margin:8px 0}}
+table{{border-collapse:collapse;font-size:13px}} td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}}
+td{{font-family:monospace;white-space:pre-wrap;max-width:420px}}</style></head><body>
+<h1>rollout_guard report</h1><p>{html.escape(str(run_dir))}</p><table>{summary_html}</table>
+{''.join(sections)}<h2>Configuration</h2><pre>{config_html}</pre></body></html>"""
+    output = Path(output) if output is not None else run_dir / "report.html"
+    output.write_text(page)
+    return output

@@ -1,0 +1,57 @@
+import json
+import re
+import subprocess
+import sys
+
+import torch
+
+from rollout_guard.config import GuardConfig
+from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.guard import RolloutGuard
+from rollout_guard.records import QuarantineRecord
+from rollout_guard.report import build_report
+from rollout_guard.sinks import LocalFilesSink
+
+
+def fill_run(directory):
+    config = GuardConfig()
+    guard = RolloutGuard(config)
+    sink = LocalFilesSink(directory, config)
+    for step in range(1, 6):
+        trainer = torch.full((4, 3), -0.1)
+        if step == 3:
+            trainer[2] = -12.0
+        report = guard.inspect(RolloutEvidence(mask=torch.ones(4, 3, dtype=torch.long), engine_logprobs=torch.full((4, 3), -0.1),
+                                               trainer_logprobs=trainer), step=step)
+        if step == 3:
+            sink.on_records([QuarantineRecord(
+                step=3, process_index=0, row=2, global_row=2, group_size=4, action="quarantined", rules=["token_spike"],
+                stats={"max_abs_delta": 11.9, "first_divergent_token": 0.0, "mean_abs_delta": 11.9}, prompt_ids=[1],
+                completion_ids=[5, 6, 7], prompt_text="<script>alert(1)</script>=", completion_text="a&b",
+                completion_tokens=["a", "&", "b"], engine_logprobs=[-0.1] * 3, trainer_logprobs=[-12.0] * 3, reward=0.5,
+                rewards_per_func={"r": 0.5}, advantage_before=0.3, advantage_after=0.0, sampling={}, model="m", engine={}, injected=True,
+            )], guard)
+        sink.on_step(report, guard)
+    sink.on_end(guard)
+
+
+def test_report_is_self_contained_and_escapes_text(tmp_path):
+    fill_run(tmp_path / "rollout_guard")
+    page = build_report(tmp_path).read_text()  # the parent folder resolves to rollout_guard/
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == 3  # spike chart, histogram, one worst sample
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page and "a&amp;b" in page
+    assert "<th>quarantined</th><td>1</td>" in page and "<th>alerts</th><td>2</td>" in page
+    assert "#0 &#x27;a&#x27;" in page  # first divergent token with its text
+    assert "http" not in page.replace("http-equiv", "")  # nothing fetched from elsewhere
+
+
+def test_cli_report_and_a_clear_error_for_a_wrong_folder(tmp_path):
+    fill_run(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "rollout_guard.cli", "report", str(tmp_path), "-o", str(tmp_path / "r.html")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "r.html").stat().st_size > 50_000
+    missing = subprocess.run([sys.executable, "-m", "rollout_guard.cli", "report", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr and "output_dir" in missing.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["quarantined"] == 1
