@@ -21,19 +21,23 @@ generation batch (``GuardConfig.compute_trainer_logprobs``), or, if that is off,
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
+import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rollout_guard.action import group_relative_advantages, loss_token_count, mask_quarantined
 from rollout_guard.config import GuardConfig
-from rollout_guard.errors import GuardError
+from rollout_guard.errors import GuardConfigError, GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.injection import choose_rows, plan_injection
@@ -44,6 +48,7 @@ from rollout_guard.verdict import rule_names
 
 logger = logging.getLogger("rollout_guard")
 
+STATE_FILE = "rollout_guard_state.json"
 TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined", "guard_seconds")
 
 
@@ -73,13 +78,71 @@ def default_sinks(report_to: list[str] | str | None, config: GuardConfig, output
     return sinks
 
 
+@dataclass(frozen=True)
+class GroupSettings:
+    """How TRL turns rewards into advantages for this trainer (read once from it)."""
+
+    reward_weights: torch.Tensor
+    group_size: int
+    scale_rewards: str
+    aggregation: str
+
+    @classmethod
+    def of(cls, trainer: Any) -> GroupSettings:
+        return cls(trainer.reward_weights, trainer.num_generations, trainer.scale_rewards, trainer.multi_objective_aggregation)
+
+    def advantages(self, rewards_per_func: torch.Tensor, excluded: torch.Tensor | None = None) -> torch.Tensor:
+        return group_relative_advantages(rewards_per_func, self.reward_weights, group_size=self.group_size, excluded=excluded,
+                                         scale_rewards=self.scale_rewards, aggregation=self.aggregation)
+
+
+def require(batch: dict[str, Any], key: str) -> torch.Tensor:
+    value = batch.get(key)
+    if not isinstance(value, torch.Tensor):
+        problem = "missing" if value is None else f"a {type(value).__name__}, not a tensor"
+        raise GuardInputError(f"batch['{key}']", f"{problem} in the batch TRL built", "use trl 1.16 (GRPOTrainer)")
+    return value
+
+
+def loss_mask_of(batch: dict[str, Any]) -> torch.Tensor:
+    mask = require(batch, "completion_mask")
+    return mask * batch["tool_mask"] if isinstance(batch.get("tool_mask"), torch.Tensor) else mask
+
+
+def evidence_of(batch: dict[str, Any], trainer_logprobs: torch.Tensor | None = None, injected: torch.Tensor | None = None) -> RolloutEvidence:
+    """The guard's evidence in a TRL batch: vLLM's logprobs, TRL's trainer logprobs (or the given ones), loss mask."""
+    engine = batch.get("sampling_per_token_logps")
+    trainer_logprobs = batch.get("old_per_token_logps") if trainer_logprobs is None else trainer_logprobs
+    return RolloutEvidence(mask=loss_mask_of(batch), engine_logprobs=engine, trainer_logprobs=trainer_logprobs, injected=injected)
+
+
+def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func: torch.Tensor, settings: GroupSettings) -> dict[str, Any]:
+    """A copy of TRL's batch with the report's quarantined samples taken out of the loss.
+
+    Zeroes their loss (completion) mask, recomputes the advantages of the whole gathered batch without them and
+    keeps this process's slice, and sets ``num_items_in_batch`` to the loss tokens left on all processes.
+    """
+    batch = dict(batch)
+    mask = require(batch, "completion_mask")
+    normaliser = require(batch, "num_items_in_batch")
+    advantages = require(batch, "advantages")
+    batch["completion_mask"] = mask_quarantined(mask, report.local_quarantined.to(mask.device))
+    batch["num_items_in_batch"] = loss_token_count(report.column("tokens"), report.quarantined).to(
+        device=normaliser.device, dtype=normaliser.dtype
+    )
+    excluded = report.quarantined.to(rewards_per_func.device)
+    batch["advantages"] = settings.advantages(rewards_per_func, excluded)[report.local_rows].to(advantages)
+    return batch
+
+
 class TrlGuard:
     """The guard attached to one GRPOTrainer. Create it with :func:`attach_guard`."""
 
     def __init__(self, trainer: Any, config: GuardConfig | None = None, sinks: list[Sink] | None = None) -> None:
         if getattr(trainer, "_rollout_guard", None) is not None:
             raise GuardError("this trainer already has a rollout guard attached; call attach_guard(trainer) once")
-        for attribute in ("_generate_and_score_completions", "_calculate_rewards", "accelerator", "num_generations"):
+        for attribute in ("_generate_and_score_completions", "_calculate_rewards", "_load_optimizer_and_scheduler",
+                          "accelerator", "num_generations", "reward_weights", "scale_rewards"):
             if not hasattr(trainer, attribute):
                 raise GuardError(
                     f"trainer of type {type(trainer).__name__} has no '{attribute}': attach_guard needs a TRL "
@@ -87,8 +150,16 @@ class TrlGuard:
                 )
         self.trainer = trainer
         self.config = config or GuardConfig()
+        has_trainer_logprobs = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        if not trainer.use_vllm and getattr(trainer, "rollout_func", None) is None and not self.config.compute_trainer_logprobs:
+            raise GuardConfigError(
+                "compute_trainer_logprobs", False,
+                "with use_vllm=False there are no engine logprobs, so the guard needs the trainer's: set it to True",
+            )
         accelerator = trainer.accelerator
-        self.guard = RolloutGuard(self.config, gather=accelerator.gather, process_index=accelerator.process_index)
+        self.guard = RolloutGuard(self.config, gather=accelerator.gather, process_index=accelerator.process_index,
+                                  device=accelerator.device)
+        self.settings = GroupSettings.of(trainer)
         self.is_main_process = accelerator.is_main_process
         self.output_dir = Path(self.config.output_dir or os.path.join(trainer.args.output_dir, "rollout_guard"))
         if sinks is None:
@@ -96,21 +167,30 @@ class TrlGuard:
         self.sinks = sinks
         self.last_report: StepReport | None = None
         self.last_overhead_seconds = 0.0
+        self.stop_reason: str | None = None
         self._rewards_per_func: torch.Tensor | None = None
         self._said: set[str] = set()
         self._advantage_check_done = False
 
         self._original_generate_and_score = trainer._generate_and_score_completions
         self._original_calculate_rewards = trainer._calculate_rewards
+        self._original_load_optimizer_and_scheduler = trainer._load_optimizer_and_scheduler
         trainer._generate_and_score_completions = self._generate_and_score_completions
         trainer._calculate_rewards = self._calculate_rewards
+        trainer._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
         trainer.add_callback(_GuardCallback(self))
         trainer._rollout_guard = self
-        if not trainer.use_vllm:
+        if not trainer.use_vllm and getattr(trainer, "rollout_func", None) is None:
             self._say_once(
                 "no-engine",
                 "rollout_guard: use_vllm=False, so there are no engine logprobs to compare with: the guard checks "
                 "the trainer's own logprobs only (confidence and non-finite values).",
+            )
+        elif not has_trainer_logprobs and self.config.compute_trainer_logprobs:
+            self._say_once(
+                "extra-forward",
+                "rollout_guard: TRL does not compute trainer logprobs here (vllm_importance_sampling_correction=False); "
+                "the guard runs one extra no-grad forward pass per generation batch to get them.",
             )
 
     # -- wrapped trainer methods ------------------------------------------------------------------------------
@@ -130,85 +210,95 @@ class TrlGuard:
         self.last_overhead_seconds = time.perf_counter() - started
         return batch
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        self._original_load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self.load_state(checkpoint)
+
     # -- the guarded step -------------------------------------------------------------------------------------
+
+    def local_rows(self) -> int:
+        """Rows of one generation batch on this process (the same on every process)."""
+        args = self.trainer.args
+        return args.per_device_train_batch_size * args.steps_per_generation
+
+    def _collect_evidence(self, batch: dict[str, Any]) -> RolloutEvidence:
+        trainer_logprobs = None
+        if batch.get("old_per_token_logps") is None and self.config.compute_trainer_logprobs:
+            trainer_logprobs = self._trainer_logprobs(batch)
+        injector = getattr(self.trainer, "_rollout_guard_injector", None)
+        injected = injector.last_selected if injector is not None else None
+        mask = loss_mask_of(batch)
+        return evidence_of(batch, trainer_logprobs, None if injected is None else injected.to(mask.device))
 
     def guard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         trainer = self.trainer
-        loss_mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
-        engine_logprobs = batch.get("sampling_per_token_logps")
-        trainer_logprobs = batch.get("old_per_token_logps")
-        if trainer_logprobs is None and self.config.compute_trainer_logprobs:
-            self._say_once(
-                "extra-forward",
-                "rollout_guard: TRL did not compute trainer logprobs (vllm_importance_sampling_correction=False); "
-                "the guard runs one extra no-grad forward pass per generation batch to get them.",
-            )
-            trainer_logprobs = self._trainer_logprobs(batch)
-        if trainer_logprobs is None and engine_logprobs is None:
-            self._say_once("nothing", "rollout_guard: no logprobs at all for this batch; nothing to check.")
-            return batch
-        if trainer_logprobs is None:
-            self._say_once("confidence-only", "rollout_guard: no trainer logprobs; checking engine confidence only.")
-        injector = getattr(trainer, "_rollout_guard_injector", None)
-        injected = injector.last_selected.to(loss_mask.device) if injector is not None and injector.last_selected is not None else None
-        evidence = RolloutEvidence(mask=loss_mask, engine_logprobs=engine_logprobs, trainer_logprobs=trainer_logprobs, injected=injected)
-
+        try:
+            evidence: RolloutEvidence | BaseException = self._collect_evidence(batch)
+        except Exception as error:  # noqa: BLE001 - still join the collective inside inspect
+            evidence = error
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
-        report = self.guard.inspect(evidence, step=trainer.state.global_step + 1)
+        report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows())
         self.last_report = report
-        rewards = self._rewards_per_func
-        advantages_before = batch["advantages"]
-        self._check_advantage_replica(batch, report, rewards)
-        if report.any_quarantined:
-            batch = self._quarantine(batch, report, rewards)
-        if report.metrics["suspect"] > 0:
-            records = self._records(batch, report, evidence, rewards, advantages_before)
-            gathered = gather_object(records) if trainer.accelerator.num_processes > 1 else records
-            if self.is_main_process:
-                for sink in self.sinks:
-                    sink.on_records(gathered, self.guard)
+        guarded = batch
+        if not report.skipped:
+            rewards = self._rewards_per_func
+            try:
+                self._check_advantage_replica(batch, report, rewards)
+                if report.any_quarantined:
+                    if rewards is None:
+                        raise GuardError("TRL's _calculate_rewards was not called in this generation step; this TRL "
+                                         "version is not supported by rollout_guard")
+                    guarded = quarantine_batch(batch, report, rewards, self.settings)
+            except Exception as error:
+                self._failure("acting on the verdict", error)
+                guarded = batch
+            if report.metrics["suspect"] > 0:
+                self._publish_records(guarded, report, evidence, rewards, batch.get("advantages"))
+        if report.stop_training:
+            self.stop_reason = report.stop_training
+            logger.error(report.stop_training)
         for key in TRL_METRIC_KEYS:
-            trainer._metrics["train"][f"rollout_guard/{key}"].append(report.metrics[key])
-        if self.is_main_process:
-            for sink in self.sinks:
-                sink.on_step(report, self.guard)
-        return batch
+            if key in report.metrics:
+                trainer._metrics["train"][f"rollout_guard/{key}"].append(report.metrics[key])
+        self._to_sinks("on_step", report, self.guard)
+        return guarded
 
-    def _quarantine(self, batch: dict[str, Any], report: StepReport, rewards: torch.Tensor | None) -> dict[str, Any]:
-        trainer = self.trainer
-        batch = dict(batch)
-        batch["completion_mask"] = mask_quarantined(batch["completion_mask"], report.local_quarantined)
-        normaliser = batch["num_items_in_batch"]
-        batch["num_items_in_batch"] = loss_token_count(report.column("tokens"), report.quarantined).to(
-            device=normaliser.device, dtype=normaliser.dtype
-        )
-        if rewards is None:
-            raise GuardError(
-                "quarantined samples must leave their groups' advantage baselines, but TRL's _calculate_rewards was "
-                "not called during this generation step; this TRL version is not supported by rollout_guard"
-            )
-        advantages = self._advantages(rewards, excluded=report.quarantined.to(rewards.device))
-        batch["advantages"] = advantages[report.local_rows].to(batch["advantages"])
-        return batch
+    def _publish_records(self, batch: dict[str, Any], report: StepReport, evidence: Any, rewards: torch.Tensor | None,
+                         advantages_before: torch.Tensor | None) -> None:
+        try:
+            records = self._records(batch, report, evidence, rewards, advantages_before)
+        except Exception as error:
+            self._failure("writing evidence records", error)
+            records = []
+        # every process calls gather_object on the same steps (metrics are identical on all ranks)
+        gathered = gather_object(records) if self.trainer.accelerator.num_processes > 1 else records
+        self._to_sinks("on_records", gathered, self.guard)
 
-    def _advantages(self, rewards: torch.Tensor, excluded: torch.Tensor | None) -> torch.Tensor:
-        trainer = self.trainer
-        return group_relative_advantages(
-            rewards,
-            trainer.reward_weights,
-            group_size=trainer.num_generations,
-            excluded=excluded,
-            scale_rewards=trainer.scale_rewards,
-            aggregation=trainer.multi_objective_aggregation,
-        )
+    def _to_sinks(self, event: str, *payload: Any) -> None:
+        if not self.is_main_process:
+            return
+        for sink in self.sinks:
+            try:
+                getattr(sink, event)(*payload)
+            except Exception as error:
+                self._failure(f"{type(sink).__name__}.{event}", error)
+
+    def _failure(self, what: str, error: BaseException) -> None:
+        if self.config.strict:
+            raise error
+        self.guard.totals.failures += 1
+        logger.warning("rollout_guard: failed while %s (%s: %s); training goes on. Failures so far: %s",
+                       what, type(error).__name__, error, self.guard.totals.failures)
 
     def _check_advantage_replica(self, batch: dict[str, Any], report: StepReport, rewards: torch.Tensor | None) -> None:
         """Once per run: with nothing excluded, the guard's advantage arithmetic must reproduce TRL's."""
         if self._advantage_check_done or rewards is None:
             return
         self._advantage_check_done = True
-        replica = self._advantages(rewards, excluded=None)[report.local_rows].to(batch["advantages"])
-        if not torch.allclose(replica, batch["advantages"], atol=1e-5, rtol=1e-4):
+        advantages = require(batch, "advantages")
+        replica = self.settings.advantages(rewards)[report.local_rows].to(advantages)
+        if not torch.allclose(replica, advantages, atol=1e-5, rtol=1e-4):
             raise GuardError(
                 "TRL's advantages differ from rollout_guard's replica of its arithmetic (installed trl "
                 f"{_version('trl')}); re-normalising groups without quarantined samples would be wrong. "
@@ -217,8 +307,8 @@ class TrlGuard:
 
     def _trainer_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         trainer = self.trainer
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        input_ids = torch.cat([require(batch, "prompt_ids"), require(batch, "completion_ids")], dim=1)
+        attention_mask = torch.cat([require(batch, "prompt_mask"), require(batch, "completion_mask")], dim=1)
         with torch.no_grad():
             logprobs, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1),
@@ -226,10 +316,29 @@ class TrlGuard:
             )
         return logprobs
 
-    # -- evidence records -------------------------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------------------------
+
+    def save_state(self, checkpoint_dir: str | Path) -> Path:
+        """Write the guard's running state (totals, history, alert baselines) next to a TRL checkpoint."""
+        path = Path(checkpoint_dir) / STATE_FILE
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.guard.state_dict(), allow_nan=True))
+        os.replace(partial, path)
+        return path
+
+    def load_state(self, checkpoint_dir: str | Path) -> bool:
+        path = Path(checkpoint_dir) / STATE_FILE
+        if not path.is_file():
+            logger.warning("rollout_guard: %s has no %s; the guard starts from fresh totals", checkpoint_dir, STATE_FILE)
+            return False
+        self.guard.load_state_dict(json.loads(path.read_text()))
+        logger.info("rollout_guard: restored state from %s (%s steps so far)", path, self.guard.totals.steps)
+        return True
+
+# -- evidence records -------------------------------------------------------------------------------------
 
     def _records(self, batch: dict[str, Any], report: StepReport, evidence: RolloutEvidence,
-                 rewards: torch.Tensor | None, advantages_before: torch.Tensor) -> list[QuarantineRecord]:
+                 rewards: torch.Tensor | None, advantages_before: torch.Tensor | None) -> list[QuarantineRecord]:
         """Records of this process's suspect samples (host copies of those rows only)."""
         trainer = self.trainer
         local_suspect = report.suspect[report.local_rows]
@@ -243,8 +352,8 @@ class TrlGuard:
         completion_ids = batch["completion_ids"][index].cpu()
         engine = evidence.engine_logprobs[index].float().cpu() if evidence.has_engine else None
         trainer_lp = evidence.trainer_logprobs[index].float().cpu() if evidence.has_trainer else None
-        after = batch["advantages"][index].float().cpu()
-        before = advantages_before[index].float().cpu()
+        after = require(batch, "advantages")[index].float().cpu()
+        before = advantages_before[index].float().cpu() if advantages_before is not None else torch.full_like(after, math.nan)
         tokenizer = trainer.processing_class
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         names = list(getattr(trainer, "reward_func_names", []))
@@ -293,9 +402,7 @@ class TrlGuard:
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self.is_main_process:
-            for sink in self.sinks:
-                sink.on_end(self.guard)
+        self._to_sinks("on_end", self.guard)
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:
@@ -306,6 +413,18 @@ class TrlGuard:
 class _GuardCallback(TrainerCallback):
     def __init__(self, guarded: TrlGuard) -> None:
         self.guarded = guarded
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        if self.guarded.stop_reason is not None:
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001
+        if args.should_save:
+            checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            if checkpoint.is_dir():
+                self.guarded.save_state(checkpoint)
+        return control
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
         self.guarded.close()

@@ -79,6 +79,14 @@ class AlertMonitor:
         self.sent += len(alerts)
         return alerts
 
+    def circuit_breaker(self, step: int, share: float, ceiling: float, title: str, text: str, throttle: bool) -> Alert | None:
+        """An error-level alert for a tripped circuit breaker; ``throttle`` applies the cooldown."""
+        if throttle and not self._cooled_down("circuit_breaker", step):
+            return None
+        self.last_alert_step["circuit_breaker"] = step
+        self.sent += 1
+        return Alert("circuit_breaker", "ERROR", step, share, ceiling, title, text)
+
     def state_dict(self) -> dict:
         return {
             "share_baseline": self.share_baseline, "log_delta_baseline": self.log_delta_baseline,

@@ -94,6 +94,24 @@ class GuardConfig:
     alert_cooldown_steps: int = 100
     """steps. At most one alert of each kind per this many steps. Default 100."""
 
+    max_quarantine_share: float | None = 0.5
+    """share of a step's rollouts (0–1). Circuit breaker: when more than this share of a step's rollouts is
+    suspect for ``ceiling_steps`` steps in a row, the engine is broken rather than one sample, and the guard
+    acts as ``on_ceiling`` says. Default 0.5."""
+
+    ceiling_steps: int = 1
+    """steps. Consecutive steps above ``max_quarantine_share`` before the circuit breaker trips. Default 1."""
+
+    on_ceiling: str = "stop"
+    """``"stop"``: end training cleanly after the current step, with a message saying why. ``"alert"``: send an
+    error-level alert (at most once per ``alert_cooldown_steps``) and go on. Default ``"stop"``."""
+
+    strict: bool = False
+    """``True``: any failure inside the guard raises and stops training. ``False``: a failure is logged and
+    counted (``guard_failures``), the step's batch passes through unguarded, and training goes on. Structural
+    input errors on the first guarded step raise in both cases: they mean the guard is wired wrong. Default
+    False."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise GuardConfigError("mode", self.mode, f"use one of {MODES}")
@@ -115,6 +133,16 @@ class GuardConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise GuardConfigError(name, value, "use a whole number of steps ≥ 1")
+        if self.max_quarantine_share is not None and not (
+            isinstance(self.max_quarantine_share, (int, float)) and 0.0 < self.max_quarantine_share <= 1.0
+        ):
+            raise GuardConfigError("max_quarantine_share", self.max_quarantine_share, "use a share in (0, 1], or None to turn the breaker off")
+        if not (isinstance(self.ceiling_steps, int) and not isinstance(self.ceiling_steps, bool) and self.ceiling_steps >= 1):
+            raise GuardConfigError("ceiling_steps", self.ceiling_steps, "use a whole number of steps ≥ 1")
+        if self.on_ceiling not in ON_CEILING:
+            raise GuardConfigError("on_ceiling", self.on_ceiling, f"use one of {ON_CEILING}")
+        if not isinstance(self.strict, bool):
+            raise GuardConfigError("strict", self.strict, "use True or False")
         if not (isinstance(self.alert_jump, (int, float)) and self.alert_jump >= 1.0):
             raise GuardConfigError("alert_jump", self.alert_jump, "use a factor ≥ 1 (3.0 alerts at three times the baseline)")
         if not (isinstance(self.alert_min_share, (int, float)) and 0.0 <= self.alert_min_share <= 1.0):

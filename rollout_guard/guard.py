@@ -2,12 +2,14 @@
 
 Like a torchmetrics metric, this object holds state and syncs it across processes; the math lives in pure
 functions. Each :meth:`RolloutGuard.inspect` makes exactly one collective call (``gather``, the same on every
-rank) and one device→host copy, so every rank reaches the same verdict on the same global batch and logs the
-same numbers.
+rank, whatever happens) and one device→host copy, so every rank reaches the same verdict on the same global
+batch, logs the same numbers and takes the same decisions, failures included: a rank that cannot build its
+statistics still joins the gather, flagging its failure, and every rank then skips (or raises) together.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -15,13 +17,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout_guard.alerts import Alert, AlertMonitor
+from rollout_guard.alerts import Alert, AlertMonitor  # noqa: F401 - Alert is part of StepReport
 from rollout_guard.config import GuardConfig
+from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, delta_histogram, sample_statistics, step_aggregates
 from rollout_guard.verdict import RULES, judge, rule_counts
 
+logger = logging.getLogger("rollout_guard")
+
 Gather = Callable[[torch.Tensor], torch.Tensor]
+
+STATUS_OK, STATUS_INPUT_ERROR, STATUS_FAILURE = 1.0, 0.0, -1.0
 
 
 def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,9 +46,11 @@ class StepReport:
     quarantined: torch.Tensor  # (N,) bool host: suspect in quarantine mode, all False in monitor mode
     delta_histogram: torch.Tensor  # (NUM_DELTA_BINS,) host, global
     local_rows: slice  # this process's rows within the global batch
-    local_quarantined: torch.Tensor  # (B,) bool on the evidence's device
+    local_quarantined: torch.Tensor  # (B,) bool on the guard's device
     metrics: dict[str, float] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)
+    skipped: bool = False  # the guard failed on some rank this step; the batch passes through unguarded
+    stop_training: str | None = None  # the circuit breaker's reason to stop, when it trips with on_ceiling="stop"
 
     @property
     def any_quarantined(self) -> bool:
@@ -51,7 +60,8 @@ class StepReport:
         return self.samples[:, COLUMN[name]]
 
 
-_COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps")
+_COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps",
+             "failures", "steps_above_ceiling")
 
 
 @dataclass
@@ -66,21 +76,22 @@ class GuardTotals:
     caught: int = 0  # injected and suspect
     false_alarms: int = 0  # suspect but not injected (counted only when an injector labels the batch)
     labelled_steps: int = 0  # steps whose batch carried injector labels
+    failures: int = 0  # steps the guard could not judge (non-strict mode)
+    steps_above_ceiling: int = 0  # consecutive steps above max_quarantine_share, for the circuit breaker
     rule_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     history: list[dict[str, float]] = field(default_factory=list)  # one compact row per step, for charts
+    stopped: str | None = None  # why the circuit breaker stopped training, if it did
 
     def to_dict(self) -> dict:
-        return {
-            "steps": self.steps, "rollouts": self.rollouts, "suspect": self.suspect, "quarantined": self.quarantined,
-            "injected": self.injected, "caught": self.caught, "false_alarms": self.false_alarms,
-            "labelled_steps": self.labelled_steps, "rule_counts": dict(self.rule_counts), "history": list(self.history),
-        }
+        return {**{key: getattr(self, key) for key in _COUNTERS}, "rule_counts": dict(self.rule_counts),
+                "history": list(self.history), "stopped": self.stopped}
 
     @classmethod
     def from_dict(cls, state: dict) -> GuardTotals:
-        totals = cls(**{key: state[key] for key in _COUNTERS})
+        totals = cls(**{key: state.get(key, 0) for key in _COUNTERS})
         totals.rule_counts.update(state.get("rule_counts", {}))
         totals.history = list(state.get("history", []))
+        totals.stopped = state.get("stopped")
         return totals
 
 
@@ -92,56 +103,130 @@ class RolloutGuard:
         gather: concatenates a tensor along dim 0 across processes, in rank order (``accelerator.gather``);
             identity for one process. Called exactly once per :meth:`inspect`, on every rank.
         process_index: this process's rank.
+        device: where the gathered tensors live (the collective's device, e.g. ``accelerator.device``).
     """
 
-    def __init__(self, config: GuardConfig | None = None, gather: Gather | None = None, process_index: int = 0) -> None:
+    def __init__(self, config: GuardConfig | None = None, gather: Gather | None = None, process_index: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         self.config = config or GuardConfig()
         self.gather = gather or _no_gather
         self.process_index = process_index
+        self.device = torch.device(device)
         self.totals = GuardTotals()
         self.alerts = AlertMonitor(self.config)
         self.last_guard_seconds = 0.0
 
-    def inspect(self, evidence: RolloutEvidence, step: int) -> StepReport:
+    def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None) -> StepReport:
+        """Judge one batch. ``evidence`` may instead be the exception raised while collecting it on this rank;
+        ``batch_size`` (rows on this rank) lets a failing rank still join the collective with the right shape."""
         started = time.perf_counter()
-        evidence = evidence.validated()
-        local = sample_statistics(evidence, self.config)
-        histogram = delta_histogram(evidence)
+        width = len(SAMPLE_COLUMNS)
+        error: BaseException | None = evidence if isinstance(evidence, BaseException) else None
+        if error is None:
+            try:
+                evidence = evidence.validated()
+                if batch_size is not None and evidence.batch_size != batch_size:
+                    raise GuardInputError("mask", f"{evidence.batch_size} rows, expected {batch_size} on every process",
+                                          "give every process a batch of the same size")
+                local = sample_statistics(evidence, self.config)
+                histogram = delta_histogram(evidence)
+            except Exception as caught:  # noqa: BLE001 - must still join the collective below
+                error = caught
+        if error is not None:
+            if batch_size is None:
+                raise error
+            local = torch.zeros(batch_size, width, device=self.device)
+            histogram = torch.zeros(NUM_DELTA_BINS, device=self.device)
+        status = STATUS_OK if error is None else (STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE)
         batch = local.shape[0]
-        packed = torch.cat([local.flatten(), histogram])
-        gathered = self.gather(packed).view(-1, packed.numel())  # the one collective: (world, B·S + H)
+        packet = torch.cat([torch.tensor([status], device=local.device), local.flatten().float(), histogram.float()])
+        gathered = self.gather(packet.to(self.device)).view(-1, packet.numel())  # the one collective
+        statuses = gathered[:, 0]
+        if (statuses != STATUS_OK).any():
+            return self._failed_step(step, batch, statuses, error, started)
+        try:
+            return self._judge(step, batch, gathered[:, 1:], started)
+        except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
+            return self._failed_step(step, batch, statuses, caught, started)
+
+    def _judge(self, step: int, batch: int, gathered: torch.Tensor, started: float) -> StepReport:
         width = len(SAMPLE_COLUMNS)
         samples = gathered[:, : batch * width].reshape(-1, width)
         global_histogram = gathered[:, batch * width :].sum(dim=0)
-
         verdict = judge(samples, self.config)
         quarantined = verdict.suspect if self.config.quarantines else torch.zeros_like(verdict.suspect)
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
-        local_quarantined = quarantined[local_rows]
 
         host = torch.cat([samples.flatten(), global_histogram, verdict.reasons.float()]).cpu()  # the one host sync
         samples_host = host[: samples.numel()].view_as(samples)
-        histogram_host = host[samples.numel() : samples.numel() + NUM_DELTA_BINS]
         reasons_host = host[samples.numel() + NUM_DELTA_BINS :].to(torch.int32)
         suspect_host = reasons_host != 0
-        quarantined_host = suspect_host if self.config.quarantines else torch.zeros_like(suspect_host)
-
         report = StepReport(
             step=step,
             samples=samples_host,
             suspect=suspect_host,
             reasons=reasons_host,
-            quarantined=quarantined_host,
-            delta_histogram=histogram_host,
+            quarantined=suspect_host if self.config.quarantines else torch.zeros_like(suspect_host),
+            delta_histogram=host[samples.numel() : samples.numel() + NUM_DELTA_BINS],
             local_rows=local_rows,
-            local_quarantined=local_quarantined,
+            local_quarantined=quarantined[local_rows],
         )
         report.metrics = self._step_metrics(report)
         report.alerts = self.alerts.check(step, report.metrics)
+        self._circuit_breaker(report)
         self.last_guard_seconds = time.perf_counter() - started
         report.metrics["guard_seconds"] = self.last_guard_seconds
         self._update_totals(report)
         return report
+
+    def _failed_step(self, step: int, batch: int, statuses: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
+        failed = [rank for rank, status in enumerate(statuses.tolist()) if status != STATUS_OK]
+        structural = bool((statuses == STATUS_INPUT_ERROR).any())
+        where = f"on process(es) {failed}" if failed else "after the gather"
+        if self.config.strict or (structural and self.totals.steps == 0):
+            if error is not None:
+                raise error
+            raise GuardError(f"rollout_guard failed {where} at step {step}; that process's log names the field")
+        self.totals.failures += 1
+        logger.warning("rollout_guard: could not judge step %s (%s: %s); the batch passes through unguarded. "
+                       "Failures so far: %s", step, where, error, self.totals.failures)
+        world = max(len(statuses), 1)
+        empty = torch.zeros(world * batch, dtype=torch.bool)
+        report = StepReport(
+            step=step, samples=torch.full((world * batch, len(SAMPLE_COLUMNS)), math.nan), suspect=empty,
+            reasons=torch.zeros(world * batch, dtype=torch.int32), quarantined=empty,
+            delta_histogram=torch.zeros(NUM_DELTA_BINS), local_rows=slice(self.process_index * batch, (self.process_index + 1) * batch),
+            local_quarantined=torch.zeros(batch, dtype=torch.bool, device=self.device), skipped=True,
+        )
+        self.last_guard_seconds = time.perf_counter() - started
+        report.metrics = {"guard_failures": float(self.totals.failures), "suspect": 0.0, "quarantined": 0.0,
+                          "guard_seconds": self.last_guard_seconds}
+        return report
+
+    def _circuit_breaker(self, report: StepReport) -> None:
+        config, totals = self.config, self.totals
+        if config.max_quarantine_share is None:
+            return
+        share = report.metrics["suspect_share"]
+        totals.steps_above_ceiling = totals.steps_above_ceiling + 1 if share > config.max_quarantine_share else 0
+        if totals.steps_above_ceiling < config.ceiling_steps:
+            return
+        reason = (
+            f"{share:.0%} of the rollouts at step {report.step} were suspect, above max_quarantine_share="
+            f"{config.max_quarantine_share:g} for {totals.steps_above_ceiling} step(s) in a row: the engine itself looks broken "
+            f"(max |Δ| {report.metrics['max_abs_delta']:.3g} nats), not one sample"
+        )
+        if config.on_ceiling == "stop":
+            report.stop_training = (f"rollout_guard stopped training: {reason}. Check the engine (weight sync, cache state, "
+                                    "version) before resuming; the quarantine store holds the evidence.")
+            totals.stopped = report.stop_training
+            alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
+                                                f"rollout_guard stopped training at step {report.step}", report.stop_training, throttle=False)
+        else:
+            alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
+                                                f"rollout_guard: engine looks broken at step {report.step}", reason, throttle=True)
+        if alert is not None:
+            report.alerts.append(alert)
 
     def _step_metrics(self, report: StepReport) -> dict[str, float]:
         metrics = step_aggregates(report.samples, report.delta_histogram)
@@ -155,6 +240,7 @@ class RolloutGuard:
         metrics["kept_max_abs_delta"] = float(kept.max()) if kept.numel() else math.nan
         for name, count in rule_counts(report.reasons).items():
             metrics[f"rule/{name}"] = float(count)
+        metrics["guard_failures"] = float(self.totals.failures)
         injected = report.column("injected")
         if not torch.isnan(injected).all():
             labelled = injected == 1
@@ -199,11 +285,12 @@ class RolloutGuard:
         totals = self.totals
         summary = {
             "steps": totals.steps, "rollouts": totals.rollouts, "suspect": totals.suspect,
-            "quarantined": totals.quarantined, "alerts": self.alerts.sent,
+            "quarantined": totals.quarantined, "alerts": self.alerts.sent, "guard_failures": totals.failures,
             **{f"rule/{k}": v for k, v in totals.rule_counts.items()},
         }
         if totals.labelled_steps:
             summary.update(injected=totals.injected, caught=totals.caught, missed=totals.injected - totals.caught,
                            false_alarms=totals.false_alarms)
+        if totals.stopped:
+            summary["stopped"] = totals.stopped
         return summary
-

@@ -51,8 +51,20 @@ def _masked_mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
 
 
+def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
+    """Empty completions (T = 0) become one masked-out column, so reductions have something to reduce."""
+    if evidence.mask.shape[-1] > 0:
+        return evidence
+
+    def pad(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else torch.nn.functional.pad(tensor, (0, 1))
+
+    return RolloutEvidence(pad(evidence.mask), pad(evidence.engine_logprobs), pad(evidence.trainer_logprobs), evidence.injected)
+
+
 def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.Tensor:
     """(B, len(SAMPLE_COLUMNS)) float32 tensor of per-sample statistics, on the evidence's device."""
+    evidence = _at_least_one_column(evidence)
     valid = evidence.mask.bool()
     batch, length = valid.shape
     nan_row = torch.full((batch,), math.nan, device=valid.device, dtype=torch.float32)

@@ -18,8 +18,11 @@ import urllib.request
 from pathlib import Path
 
 SCENARIOS = {
-    # name: GRPOConfig overrides, guard mode, injection rate, learning rate
+    # name: guard mode, injection rate, learning rate, GRPOConfig overrides, GuardConfig overrides. The injection
+    # rates are far above real ones so that 4 steps say something; the circuit breaker's ceiling is raised to
+    # match, except in the scenario that tests it.
     "colocate": dict(mode="quarantine", rate=0.3, lr=5e-4, config={}),
+    "breaker": dict(mode="quarantine", rate=0.9, lr=5e-4, config={}, guard={"max_quarantine_share": 0.5}),
     "monitor": dict(mode="monitor", rate=0.3, lr=5e-4, config={}),
     "no_is_correction": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"vllm_importance_sampling_correction": False}),
     "no_vllm": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False}),
@@ -173,7 +176,8 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
         return batch
 
     trainer._generate_and_score_completions = capture_raw
-    guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"]))
+    guard_settings = {"max_quarantine_share": 0.95, **spec.get("guard", {})}
+    guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings))
     if spec["rate"] is not None:
         injector = inject_stale_context(trainer, rate=spec["rate"], seed=0)
     else:
@@ -216,8 +220,10 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
             "guard_dir": str(guarded.output_dir), "train_seconds": time.perf_counter() - started,
             "reward_weights": trainer.reward_weights.clone(), "scale_rewards": trainer.scale_rewards,
             "num_generations": trainer.num_generations,
+            "global_step": trainer.state.global_step,
+            "process_index": trainer.accelerator.process_index, "num_processes": trainer.accelerator.num_processes,
         },
-        out / "result.pt",
+        out / ("result.pt" if trainer.accelerator.num_processes == 1 else f"result-rank{trainer.accelerator.process_index}.pt"),
     )
 
 

@@ -176,3 +176,14 @@ def test_server_mode_quarantines_exactly_the_injected_samples(tmp_path_factory, 
     assert check_quarantine_batches(result) >= 3
     records = list(read_records(Path(result["guard_dir"]) / "quarantine"))
     assert records and all(record.engine["mode"] == "server" for record in records)
+
+
+def test_circuit_breaker_stops_training_cleanly_with_the_reason(tmp_path_factory, tiny_model_dir):
+    result, log = run_scenario("breaker", tmp_path_factory, tiny_model_dir)
+    assert result["global_step"] == 1, "training must stop after the first step whose share is above the ceiling"
+    assert len(result["reports"]) == 1 and result["reports"][0]["metrics"]["suspect_share"] > 0.5
+    assert "rollout_guard stopped training" in log and "max_quarantine_share=0.5" in log
+    summary = json.loads((Path(result["guard_dir"]) / "summary.json").read_text())
+    assert summary["stopped"].startswith("rollout_guard stopped training")
+    alerts = [json.loads(line) for line in (Path(result["guard_dir"]) / "alerts.jsonl").read_text().splitlines()]
+    assert [a["kind"] for a in alerts if a["level"] == "ERROR"] == ["circuit_breaker"]
