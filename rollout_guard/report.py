@@ -56,7 +56,8 @@ def _fmt(value: object) -> str:
 def build_report(run_dir: str | Path, output: str | Path | None = None, top: int = 10) -> Path:
     """Write ``report.html`` (and its PNGs under ``report/``) for a guard output folder; returns the HTML path."""
     run_dir = resolve_run_dir(run_dir)
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    # a run resumed from a checkpoint re-runs the steps after it: the last line of each step wins
+    metrics = sorted({row["step"]: row for row in _read_jsonl(run_dir / "metrics.jsonl")}.values(), key=lambda row: row["step"])
     alerts = _read_jsonl(run_dir / "alerts.jsonl")
     records: list[QuarantineRecord] = list(read_records(run_dir / "quarantine"))
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}

@@ -129,7 +129,7 @@ def detach(batch: dict) -> dict:
     return {key: value.detach().cpu().clone() for key, value in batch.items() if isinstance(value, torch.Tensor)}
 
 
-def run(name: str, out: Path, model: str, steps: int) -> None:
+def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = None, resume_from: str | None = None) -> None:
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -146,6 +146,8 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
         bf16=False, use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
     )
     settings.update(spec["config"])
+    if save_steps:
+        settings.update(save_strategy="steps", save_steps=save_steps)
     server = None
     if settings.get("vllm_mode") == "server":
         port = free_port()
@@ -193,13 +195,14 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
         reports.append(None if report is None else {
             "suspect": report.suspect.clone(), "quarantined": report.quarantined.clone(), "reasons": report.reasons.clone(),
             "metrics": dict(report.metrics), "overhead_seconds": guarded.last_overhead_seconds,
+            "alerts": [alert.kind for alert in report.alerts],
         })
         return batch
 
     trainer._generate_and_score_completions = capture_guarded
     started = time.perf_counter()
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume_from)
     finally:
         if server is not None:
             server.terminate()
@@ -218,6 +221,7 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
             "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": rewards, "injected": injected,
             "reports": reports, "log_history": trainer.state.log_history, "summary": guarded.guard.summary(),
             "guard_dir": str(guarded.output_dir), "train_seconds": time.perf_counter() - started,
+            "guard_state": guarded.guard.state_dict(),
             "reward_weights": trainer.reward_weights.clone(), "scale_rewards": trainer.scale_rewards,
             "num_generations": trainer.num_generations,
             "global_step": trainer.state.global_step,
@@ -233,6 +237,8 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--save-steps", type=int, default=None)
+    parser.add_argument("--resume-from", default=None)
     arguments = parser.parse_args()
     arguments.out.mkdir(parents=True, exist_ok=True)
-    run(arguments.scenario, arguments.out, arguments.model, arguments.steps)
+    run(arguments.scenario, arguments.out, arguments.model, arguments.steps, arguments.save_steps, arguments.resume_from)

@@ -20,18 +20,26 @@ from rollout_guard.store import read_records
 SCENARIO_SCRIPT = Path(__file__).with_name("grpo_scenario.py")
 
 
-def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4) -> tuple[dict, str]:
+def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4, extra: tuple[str, ...] = (),
+                 processes: int = 1) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp(name)
     log_path = out / "scenario.log"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(out), "TRACKIO_DIR": str(out / "trackio"), "WANDB_SILENT": "true"}
+    # `accelerate launch --cpu` starts a single process; `--multi_gpu` starts torch.distributed's launcher, and
+    # GRPOConfig(use_cpu=True) then runs each process on the CPU with gloo.
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    ]
+    command = [*launcher, str(SCENARIO_SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps), *extra]
     with log_path.open("w") as log:
-        completed = subprocess.run(
-            [sys.executable, str(SCENARIO_SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps)],
-            stdout=log, stderr=subprocess.STDOUT, timeout=900, env=env,
-        )
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=900, env=env)
     log_text = log_path.read_text()
     assert completed.returncode == 0, f"scenario {name} failed:\n{log_text[-6000:]}"
-    result = torch.load(out / "result.pt", weights_only=False)
+    if processes == 1:
+        result = torch.load(out / "result.pt", weights_only=False)
+    else:
+        result = {"ranks": [torch.load(out / f"result-rank{rank}.pt", weights_only=False) for rank in range(processes)]}
     result["out"] = out
     return result, log_text
 
@@ -187,3 +195,69 @@ def test_circuit_breaker_stops_training_cleanly_with_the_reason(tmp_path_factory
     assert summary["stopped"].startswith("rollout_guard stopped training")
     alerts = [json.loads(line) for line in (Path(result["guard_dir"]) / "alerts.jsonl").read_text().splitlines()]
     assert [a["kind"] for a in alerts if a["level"] == "ERROR"] == ["circuit_breaker"]
+
+
+def test_resume_restores_the_guard_state_from_the_checkpoint(tmp_path_factory, tiny_model_dir):
+    first, _ = run_scenario("colocate", tmp_path_factory, tiny_model_dir, steps=4, extra=("--save-steps", "2"))
+    checkpoint = first["out"] / "trainer" / "checkpoint-2"
+    saved = json.loads((checkpoint / "rollout_guard_state.json").read_text())
+    assert saved["totals"]["steps"] == 2 and [row["step"] for row in saved["totals"]["history"]] == [1, 2]
+    assert (first["out"] / "trainer" / "checkpoint-4" / "rollout_guard_state.json").is_file()
+    resumed, _ = run_scenario("colocate", tmp_path_factory, tiny_model_dir, steps=4, extra=("--resume-from", str(checkpoint)))
+    state = resumed["guard_state"]
+    assert [row["step"] for row in state["totals"]["history"]] == [1, 2, 3, 4]
+    assert state["totals"]["history"][:2] == saved["totals"]["history"]
+    assert state["totals"]["steps"] == 4 and state["totals"]["rollouts"] == 64
+    assert len(resumed["reports"]) == 2, "the resumed run guards only steps 3 and 4"
+    resumed_new = sum(int(r["metrics"]["quarantined"]) for r in resumed["reports"])
+    assert state["totals"]["quarantined"] == saved["totals"]["quarantined"] + resumed_new
+    # alert baselines and cooldowns survive the restart: the first run alerted at step 1; a fresh monitor would
+    # alert again at step 3 (baseline 0), the restored one stays quiet within its cooldown
+    assert first["reports"][0]["alerts"] and saved["alerts"]["last_alert_step"]
+    assert state["alerts"]["last_alert_step"] == saved["alerts"]["last_alert_step"]
+    assert all(not r["alerts"] for r in resumed["reports"])
+
+
+def test_two_processes_agree_and_match_one_process_on_the_same_data(tmp_path_factory, tiny_model_dir):
+    result, _ = run_scenario("colocate", tmp_path_factory, tiny_model_dir, steps=3, processes=2)
+    rank0, rank1 = result["ranks"]
+    assert (rank0["num_processes"], rank1["num_processes"]) == (2, 2)
+    group = rank0["num_generations"]
+    injected_total = 0
+    for step in range(len(rank0["reports"])):
+        r0, r1 = rank0["reports"][step], rank1["reports"][step]
+        # both ranks log identical step metrics and reach the same global verdict
+        same = {k: v for k, v in r0["metrics"].items() if k != "guard_seconds"}
+        other = {k: v for k, v in r1["metrics"].items() if k != "guard_seconds"}
+        assert same.keys() == other.keys() and all(v == other[k] or (math.isnan(v) and math.isnan(other[k])) for k, v in same.items())
+        assert torch.equal(r0["suspect"], r1["suspect"])
+        injected = torch.cat([rank0["injected"][step], rank1["injected"][step]])
+        injected_total += int(injected.sum())
+        assert torch.equal(r0["quarantined"], injected)
+        rows = len(rank0["injected"][step])
+        rewards = rank0["rewards"][step]
+        assert torch.equal(rewards, rank1["rewards"][step])
+        expected = reference_advantages(rewards, group, injected)
+        for rank, result_rank in enumerate((rank0, rank1)):
+            guarded = result_rank["guarded"][step]
+            local = injected[rank * rows : (rank + 1) * rows]
+            assert not guarded["completion_mask"][local].any(), "excluded on the rank that holds them"
+            assert torch.allclose(guarded["advantages"], expected[rank * rows : (rank + 1) * rows], atol=1e-5)
+        total_tokens = sum(int(r["guarded"][step]["completion_mask"].sum()) for r in (rank0, rank1))
+        assert int(rank0["guarded"][step]["num_items_in_batch"]) == int(rank1["guarded"][step]["num_items_in_batch"]) == total_tokens
+        # a single process given the same data decides the same
+        from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
+
+        width = max(r["raw"][step]["completion_mask"].shape[1] for r in (rank0, rank1))
+
+        def padded(key: str) -> torch.Tensor:
+            parts = [r["raw"][step][key] for r in (rank0, rank1)]
+            return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+        alone = RolloutGuard(GuardConfig(max_quarantine_share=0.95)).inspect(
+            RolloutEvidence(mask=padded("completion_mask"), engine_logprobs=padded("sampling_per_token_logps"),
+                            trainer_logprobs=padded("old_per_token_logps")), step=step + 1)
+        assert torch.equal(alone.suspect, r0["suspect"])
+        assert alone.metrics["max_abs_delta"] == pytest.approx(r0["metrics"]["max_abs_delta"])
+        assert alone.metrics["tokens"] == r0["metrics"]["tokens"]
+    assert injected_total >= 3
