@@ -166,6 +166,7 @@ class TrlGuard:
             sinks = default_sinks(trainer.args.report_to, self.config, self.output_dir) if self.is_main_process else []
         self.sinks = sinks
         self.last_report: StepReport | None = None
+        self.last_evidence: RolloutEvidence | None = None  # what the latest step was judged on (this process)
         self.last_overhead_seconds = 0.0
         self.stop_reason: str | None = None
         self._rewards_per_func: torch.Tensor | None = None
@@ -237,6 +238,7 @@ class TrlGuard:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch)
         except Exception as error:  # noqa: BLE001 - still join the collective inside inspect
             evidence = error
+        self.last_evidence = evidence if isinstance(evidence, RolloutEvidence) else None
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows())
         self.last_report = report

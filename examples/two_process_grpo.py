@@ -1,0 +1,212 @@
+"""The guard under several processes: a short GRPO run with corrupted rollouts, then a check that every rank
+agrees and that one process, given the same data, decides the same.
+
+Works on GPUs (NCCL) and on CPUs (gloo); generation uses transformers (``TransformersRollouts``), so no vLLM is
+needed. Launch with as many processes as you like:
+
+    accelerate launch --multi_gpu --num_processes 2 examples/two_process_grpo.py --out runs/two_process
+    python examples/two_process_grpo.py --out runs/one_process --cpu      # one process, for comparison
+
+Every rank saves what it saw (TRL's batch before and after the guard, rewards, injected rows, the guard's
+report); rank 0 then checks, and writes ``checks.json``:
+
+* identical step metrics and verdicts on every rank;
+* every injected rollout quarantined, no clean one, each on the rank that holds it (zero loss mask there);
+* advantages equal an independent recomputation over the gathered batch without the quarantined samples;
+* ``num_items_in_batch`` equals the loss tokens left on all ranks;
+* a fresh single-process guard on the concatenated batches reaches the same verdict and numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "two_process")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=16, help="rollouts per process per step")
+    parser.add_argument("--rate", type=float, default=0.1, help="share of rollouts corrupted")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is there")
+    parser.add_argument("--bf16", action="store_true", help="train in bf16 (GPU)")
+    parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("ROLLOUT_GUARD_CACHE", REPO / ".cache")))
+    parser.add_argument("--timeout", type=int, default=180, help="seconds before a stuck collective fails (ddp_timeout)")
+    return parser.parse_args(argv)
+
+
+def detach(batch: dict) -> dict:
+    import torch
+
+    return {key: value.detach().cpu().clone() for key, value in batch.items() if isinstance(value, torch.Tensor)}
+
+
+def train(args: argparse.Namespace) -> dict:
+    import torch
+    from accelerate import PartialState
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.hf_rollouts import TransformersRollouts
+    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
+    from rollout_guard.integrations.trl import attach_guard
+
+    state = PartialState(cpu=args.cpu)
+    with state.main_process_first():
+        model_dir = build_tiny_model(args.cache_dir / "models")
+    recipe = TinyModelRecipe()
+    rng = random.Random(7)
+    dataset = Dataset.from_list([{"prompt": copy_prompt(random_letters(rng, recipe))} for _ in range(512)])
+
+    def copy_accuracy(prompts, completions, **_):
+        return [copy_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+    config = GRPOConfig(
+        output_dir=str(args.out / "trainer"), max_steps=args.steps, per_device_train_batch_size=args.batch, num_generations=4,
+        max_completion_length=12, learning_rate=5e-4, use_vllm=False, use_cpu=args.cpu, bf16=args.bf16, logging_steps=1,
+        save_strategy="no", report_to="none", seed=0, disable_tqdm=True, ddp_timeout=args.timeout,
+    )
+    rollouts = TransformersRollouts(stale_context_rate=args.rate, seed=3)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=copy_accuracy, args=config, train_dataset=dataset, rollout_func=rollouts)
+    raw, guarded_batches, rewards, injected, reports = [], [], [], [], []
+    original = trainer._generate_and_score_completions
+
+    def capture_raw(inputs):
+        batch = original(inputs)
+        raw.append(detach(batch))
+        return batch
+
+    trainer._generate_and_score_completions = capture_raw
+    guarded = attach_guard(trainer, GuardConfig(output_dir=str(args.out / "rollout_guard"), max_quarantine_share=0.9))
+    guarded_fn = trainer._generate_and_score_completions
+
+    def capture_guarded(inputs):
+        batch = guarded_fn(inputs)
+        report = guarded.last_report
+        guarded_batches.append(detach(batch))
+        rewards.append(guarded._rewards_per_func.detach().cpu().clone())
+        injected.append(rollouts.last_selected.clone())
+        evidence = guarded.last_evidence
+        reports.append({"suspect": report.suspect.clone(), "quarantined": report.quarantined.clone(),
+                        "metrics": dict(report.metrics), "overhead_seconds": guarded.last_overhead_seconds,
+                        "evidence": {"mask": evidence.mask.cpu(), "engine": evidence.engine_logprobs.cpu(),
+                                     "trainer": evidence.trainer_logprobs.cpu()}})
+        return batch
+
+    trainer._generate_and_score_completions = capture_guarded
+    started = time.perf_counter()
+    trainer.train()
+    result = {
+        "raw": raw, "guarded": guarded_batches, "rewards": rewards, "injected": injected, "reports": reports,
+        "process_index": state.process_index, "num_processes": state.num_processes, "device": str(state.device),
+        "train_seconds": time.perf_counter() - started, "num_generations": trainer.num_generations,
+        "step_time": [row["step_time"] for row in trainer.state.log_history if "step_time" in row],
+    }
+    torch.save(result, args.out / f"rank{state.process_index}.pt")
+    state.wait_for_everyone()
+    return result
+
+
+def reference_advantages(rewards, group: int, excluded):
+    """Per group, mean and Bessel std over the kept samples' rewards (independent of the library's code)."""
+    import torch
+
+    out = torch.zeros(rewards.shape[0])
+    total = rewards.nansum(dim=1)
+    for start in range(0, len(total), group):
+        kept = [i for i in range(start, start + group) if not excluded[i]]
+        if len(kept) >= 2:
+            values = total[kept]
+            for i in kept:
+                out[i] = (total[i] - values.mean()) / (values.std() + 1e-4)
+    return out
+
+
+def check(out: Path, world: int) -> dict:
+    import torch
+
+    from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
+
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    checks: dict[str, bool] = {}
+    steps = len(ranks[0]["reports"])
+    group = ranks[0]["num_generations"]
+    rows = []
+    for step in range(steps):
+        reports = [r["reports"][step] for r in ranks]
+        first = {k: v for k, v in reports[0]["metrics"].items() if k != "guard_seconds"}
+        identical = all(
+            all(v == r["metrics"].get(k) or (math.isnan(v) and math.isnan(r["metrics"].get(k, 0.0))) for k, v in first.items())
+            and torch.equal(r["suspect"], reports[0]["suspect"])
+            for r in reports
+        )
+        injected = torch.cat([r["injected"][step] for r in ranks])
+        local = len(ranks[0]["injected"][step])
+        quarantined = reports[0]["quarantined"]
+        on_owner = all(
+            not r["guarded"][step]["completion_mask"][injected[i * local : (i + 1) * local]].any() for i, r in enumerate(ranks)
+        )
+        rewards = ranks[0]["rewards"][step]
+        expected = reference_advantages(rewards, group, quarantined)
+        advantages = torch.cat([r["guarded"][step]["advantages"] for r in ranks])
+        tokens = sum(int(r["guarded"][step]["completion_mask"].sum()) for r in ranks)
+        normalisers = {int(r["guarded"][step]["num_items_in_batch"]) for r in ranks}
+        width = max(r["evidence"]["mask"].shape[1] for r in reports)
+
+        def concatenated(key: str):
+            return torch.cat([torch.nn.functional.pad(r["evidence"][key], (0, width - r["evidence"][key].shape[1])) for r in reports])
+
+        alone = RolloutGuard(GuardConfig(max_quarantine_share=0.9)).inspect(
+            RolloutEvidence(mask=concatenated("mask"), engine_logprobs=concatenated("engine"), trainer_logprobs=concatenated("trainer")),
+            step=step + 1,
+        )
+        row = {
+            "step": step + 1,
+            "identical_on_all_ranks": identical,
+            "quarantined_equals_injected": torch.equal(quarantined, injected),
+            "excluded_on_owner_rank": on_owner,
+            "advantages_match_reference": bool(torch.allclose(advantages, expected, atol=1e-4)),
+            "normaliser_matches_tokens_left": normalisers == {tokens},
+            "one_process_same_verdict": torch.equal(alone.suspect, reports[0]["suspect"])
+            and alone.metrics["max_abs_delta"] == reports[0]["metrics"]["max_abs_delta"]
+            and alone.metrics["tokens"] == reports[0]["metrics"]["tokens"],
+            "injected": int(injected.sum()), "quarantined": int(quarantined.sum()), "rollouts": len(injected),
+            "max_abs_delta": reports[0]["metrics"]["max_abs_delta"], "kept_max_abs_delta": reports[0]["metrics"]["kept_max_abs_delta"],
+            "guard_ms": [round(r["metrics"]["guard_seconds"] * 1000, 3) for r in reports],
+        }
+        rows.append(row)
+    for key in ("identical_on_all_ranks", "quarantined_equals_injected", "excluded_on_owner_rank",
+                "advantages_match_reference", "normaliser_matches_tokens_left", "one_process_same_verdict"):
+        checks[key] = all(row[key] for row in rows)
+    checks["enough_injected"] = sum(row["injected"] for row in rows) >= 3
+    return {"world_size": world, "device": ranks[0]["device"], "checks": checks, "all_passed": all(checks.values()),
+            "steps": rows, "train_seconds": ranks[0]["train_seconds"], "step_time": ranks[0]["step_time"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    result = train(args)
+    if result["process_index"] != 0:
+        return 0
+    summary = check(args.out, result["num_processes"])
+    (args.out / "checks.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=2))
+    for row in summary["steps"]:
+        print(json.dumps(row))
+    return 0 if summary["all_passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+"""examples/two_process_grpo.py (the script of the two-GPU run) with two CPU processes (gloo), as CI can run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "two_process_grpo.py"
+
+
+def test_two_cpu_processes_with_transformers_rollouts(tmp_path):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE), "--out", str(tmp_path), "--cpu", "--steps", "4",
+               "--timeout", "120"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    summary = json.loads((tmp_path / "checks.json").read_text())
+    assert summary["world_size"] == 2 and summary["all_passed"], summary["checks"]
+    assert sum(step["quarantined"] for step in summary["steps"]) >= 3
+    assert all(step["kept_max_abs_delta"] < 1e-3 for step in summary["steps"])  # transformers engine = fp32 trainer
