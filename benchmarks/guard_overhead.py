@@ -96,7 +96,7 @@ def main() -> None:
         seconds = time_it(lambda: guard.inspect(evidence, step=next(step)), device, args.repeats)
         extra_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20 if gpu else None
         input_mib = sum(t.element_size() * t.numel() for t in (evidence.mask, evidence.engine_logprobs, evidence.trainer_logprobs)) / 2**20
-        forward = reference_forward(rows, length, device, hidden, layers, max(3, args.repeats // 5)) if rows * length <= (2**23 if gpu else 2**17) else None
+        forward = reference_forward(rows, length, device, hidden, layers, 2) if rows * length <= (2**22 if gpu else 2**17) else None
         row = {
             "rows": rows, "tokens_per_row": length, "tokens": rows * length, "guard_ms": round(seconds * 1000, 3),
             "guard_ns_per_token": round(seconds * 1e9 / (rows * length), 3),

@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/env.txt"
 python3 -c "import torch, transformers, accelerate, trl, datasets, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'trl', trl.__version__, 'pyarrow', pyarrow.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee -a "$OUT/env.txt"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
-timeout 240 python3 benchmarks/guard_overhead.py --device cuda --out "$OUT/bench_guard_overhead.json" 2>&1 | tail -n 12 | tee "$OUT/bench.log"
+timeout 300 python3 benchmarks/guard_overhead.py --device cuda --out "$OUT/bench_guard_overhead.json" 2>&1 | tail -n 12 | tee "$OUT/bench.log"
 launch="python3 -m accelerate.commands.launch --num_machines 1 --mixed_precision no --dynamo_backend no"
 if [ "$GPUS" -ge 2 ]; then
   timeout 300 $launch --multi_gpu --num_processes 2 examples/two_process_grpo.py --out /tmp/two_fp32 --steps 8 --timeout 120 > "$OUT/two_gpu_fp32.log" 2>&1
@@ -20,4 +20,6 @@ if [ "$GPUS" -ge 2 ]; then
 fi
 timeout 200 python3 examples/two_process_grpo.py --out /tmp/one --steps 8 > "$OUT/one_gpu_fp32.log" 2>&1
 echo "one GPU fp32 exit $?" | tee -a "$OUT/status.txt"; cp /tmp/one/checks.json "$OUT/one_gpu_fp32_checks.json"
+timeout 200 python3 examples/two_process_grpo.py --out /tmp/one_bf16 --steps 8 --bf16 > "$OUT/one_gpu_bf16.log" 2>&1
+echo "one GPU bf16 exit $?" | tee -a "$OUT/status.txt"; cp /tmp/one_bf16/checks.json "$OUT/one_gpu_bf16_checks.json"
 for f in "$OUT"/*_checks.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], d['world_size'], d['all_passed'], d['checks'])" "$f"; done
