@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arch", choices=("llama", "falcon_h1"), default="llama", help="tiny model architecture")
     parser.add_argument("--output-dir", type=Path, default=REPO / "runs" / "demo")
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("ROLLOUT_GUARD_CACHE", REPO / ".cache")))
-    parser.add_argument("--report-to", default="none", help="TRL report_to (e.g. wandb); default none")
+    parser.add_argument("--report-to", default="none", help="TRL report_to: none, wandb (offline unless WANDB_MODE is set), trackio")
     return parser.parse_args(argv)
 
 
@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(args.cache_dir / "vllm"))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "wandb" in args.report_to:
+        os.environ.setdefault("WANDB_MODE", "offline")  # no account needed; `wandb sync` uploads later
+        os.environ.setdefault("WANDB_DIR", str(args.output_dir))
+        os.environ.setdefault("WANDB_PROJECT", "rollout-guard-demo")
 
     from datasets import Dataset
     from rich.console import Console
@@ -50,9 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
-    from rollout_guard.integrations.trl import attach_guard, inject_stale_context
+    from rollout_guard.integrations.trl import attach_guard, default_sinks, inject_stale_context
     from rollout_guard.integrations.vllm_cpu import enable_trl_colocate_on_vllm_cpu
-    from rollout_guard.sinks import ConsoleSink, LocalFilesSink
+    from rollout_guard.sinks import ConsoleSink
 
     console = Console()
     started = time.perf_counter()
@@ -78,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     guard_dir = args.output_dir / "rollout_guard"
     config = GuardConfig(mode=args.mode, output_dir=str(guard_dir))
-    guarded = attach_guard(trainer, config, sinks=[LocalFilesSink(guard_dir, config), ConsoleSink(console)])
+    sinks = default_sinks(training.report_to, config, guard_dir) + [ConsoleSink(console)]
+    guarded = attach_guard(trainer, config, sinks=sinks)
     injector = inject_stale_context(trainer, rate=args.rate, seed=args.seed)
 
     train_started = time.perf_counter()

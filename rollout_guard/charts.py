@@ -51,26 +51,31 @@ def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: 
     return path
 
 
-def token_chart(record, path: str | Path) -> Path:  # noqa: ANN001 - a QuarantineRecord
+def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: ANN001 - a QuarantineRecord
     """One suspect sample token by token: engine and trainer logprob of each completion token, the decoded
-    tokens on the x axis, the first divergent token marked."""
+    tokens on the x axis, the first divergent token marked. Long completions show ``window`` tokens starting a
+    little before the first divergent one (drawing hundreds of tick labels costs seconds)."""
     tokens = record.completion_tokens or [str(token) for token in record.completion_ids]
-    positions = list(range(len(tokens)))
-    engine = [math.nan if v is None else v for v in (record.engine_logprobs or [None] * len(tokens))]
-    trainer = [math.nan if v is None else v for v in (record.trainer_logprobs or [None] * len(tokens))]
-    width = min(max(8.0, 0.35 * len(tokens) + 3), 40.0)
-    figure, axis = plt.subplots(figsize=(width, 4.2), dpi=110, layout="constrained")
-    axis.plot(positions, engine, color="#1f77b4", marker="o", ms=4, lw=1.2, label="engine (vLLM) logprob")
-    axis.plot(positions, trainer, color="#d62728", marker="s", ms=4, lw=1.2, label="trainer logprob, same prompt")
-    axis.fill_between(positions, engine, trainer, color="#d62728", alpha=0.08)
     first = record.stats.get("first_divergent_token")
     first = int(first) if first is not None else -1
-    if 0 <= first < len(tokens):
+    start = min(max(first - 8, 0), max(len(tokens) - window, 0))
+    stop = min(start + window, len(tokens))
+    positions = list(range(start, stop))
+    engine = [math.nan if v is None else v for v in (record.engine_logprobs or [None] * len(tokens))][start:stop]
+    trainer = [math.nan if v is None else v for v in (record.trainer_logprobs or [None] * len(tokens))][start:stop]
+    tokens = tokens[start:stop]
+    width = min(max(8.0, 0.35 * len(tokens) + 3), 26.0)
+    figure, axis = plt.subplots(figsize=(width, 4.2), dpi=110, layout="constrained")
+    axis.plot(positions, engine, color="#1f77b4", marker="o", ms=4, lw=1.2, label="engine logprob (the sampler)")
+    axis.plot(positions, trainer, color="#d62728", marker="s", ms=4, lw=1.2, label="trainer logprob, same prompt")
+    axis.fill_between(positions, engine, trainer, color="#d62728", alpha=0.08)
+    if start <= first < stop:
         axis.axvline(first, color="#ff7f0e", ls="--", lw=1.2, label=f"first divergent token (#{first})")
     axis.set_xticks(positions)
     axis.set_xticklabels([repr(token)[1:-1] for token in tokens], rotation=90 if len(tokens) > 20 else 0, fontsize=8)
     axis.set_ylabel("logprob of the sampled token (nats)")
-    axis.set_xlabel("completion token")
+    shown = f"tokens {start}–{stop - 1} of {len(record.completion_ids)}" if (start, stop) != (0, len(record.completion_ids)) else "all tokens"
+    axis.set_xlabel(f"completion token ({shown})")
     prompt = record.prompt_text if len(record.prompt_text) <= 80 else "…" + record.prompt_text[-79:]
     max_delta = record.stats.get("max_abs_delta")
     axis.set_title(
