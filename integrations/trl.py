@@ -5,13 +5,18 @@
     trainer.train()
 
 TRL gives callbacks neither the batch nor the trainer, so a pure ``TrainerCallback`` cannot act before the
-loss. ``attach_guard`` wraps two methods of this trainer instance (no subclassing, nothing global):
+loss. ``attach_guard`` wraps three methods of this trainer instance (no subclassing, nothing global) and adds
+one callback:
 
 * ``_generate_and_score_completions``: after TRL builds the batch (engine logprobs from vLLM, its own trainer
   logprobs, rewards, advantages, loss normaliser), the guard judges every sample and, in quarantine mode,
   zeroes the loss mask of suspect samples, recomputes their groups' advantages without them and corrects
   ``num_items_in_batch``. Runs in training mode only; evaluation batches pass through.
 * ``_calculate_rewards``: only records the (all-process) reward matrix the advantages are computed from.
+* ``_load_optimizer_and_scheduler``: where TRL itself restores its own extra state on resume; the guard
+  restores its running state from the same checkpoint folder.
+* the callback saves that state with every checkpoint (``on_save``), stops training when the circuit breaker
+  trips (``on_step_end``) and closes the sinks (``on_train_end``).
 
 Trainer logprobs: TRL computes them whenever vLLM importance-sampling correction is on (its default), and the
 guard reuses them: no extra forward pass. Otherwise the guard runs one no-grad forward pass over the

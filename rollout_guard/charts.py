@@ -12,6 +12,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _save(figure: plt.Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
 def _finite(values: Sequence[float]) -> list[float]:
     return [value if value is not None and math.isfinite(value) and value > 0 else math.nan for value in values]
 
@@ -44,11 +52,7 @@ def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: 
     axis.grid(True, which="major", alpha=0.3)
     axis.margins(y=0.15)
     figure.legend(loc="outside right upper", fontsize=8, frameon=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
 
 
 def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: ANN001 - a QuarantineRecord
@@ -85,11 +89,7 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
     )
     axis.grid(True, alpha=0.3)
     figure.legend(loc="outside right upper", fontsize=8, frameon=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
 
 
 def delta_heatmap(steps: Sequence[int], histograms: Sequence[Sequence[float]], bin_edges: Sequence[float], path: str | Path) -> Path:
@@ -106,8 +106,4 @@ def delta_heatmap(steps: Sequence[int], histograms: Sequence[Sequence[float]], b
     axis.set_xlabel("training step")
     axis.set_ylabel("log10 |logprob engine − trainer|")
     axis.set_title("Token |Δ| histogram per step (fixed bins; the bottom row is |Δ| < 1e-6)")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
