@@ -26,7 +26,7 @@ def _finite(values: Sequence[float]) -> list[float]:
 
 def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: float | None, path: str | Path, title: str = "") -> Path:
     """x: training step; y: max and p99 token |engine − trainer| logprob per step (log scale); threshold line;
-    steps with quarantined (or, in monitor mode, suspect) samples marked in red with their count."""
+    steps with suspect samples (quarantined, unless in monitor mode) circled in red with their count."""
     steps = [row["step"] for row in history]
     figure, axis = plt.subplots(figsize=(12, 4.6), dpi=110, layout="constrained")
     axis.plot(steps, _finite([row["max_abs_delta"] for row in history]), color="#1f77b4", marker=".", lw=1.2, label="max |Δ| per step")
@@ -41,9 +41,9 @@ def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: 
     if flagged:
         ys = [row["max_abs_delta"] if row["max_abs_delta"] and math.isfinite(row["max_abs_delta"]) else 1.0 for row in flagged]
         axis.scatter([row["step"] for row in flagged], ys, s=70, facecolors="none", edgecolors="#d62728", linewidths=1.6,
-                     zorder=5, label="step with quarantined samples")
+                     zorder=5, label="step with suspect samples (count)")
         for row, y in zip(flagged, ys, strict=True):
-            count = int(row.get("quarantined", 0) or row.get("suspect", 0))
+            count = int(row.get("suspect", 0) or row.get("quarantined", 0))
             axis.annotate(str(count), (row["step"], y), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8, color="#d62728")
     axis.set_yscale("log")
     axis.set_xlabel("training step")
@@ -88,7 +88,7 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
         fontsize=9,
     )
     axis.grid(True, alpha=0.3)
-    figure.legend(loc="outside right upper", fontsize=8, frameon=False)
+    figure.legend(loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     return _save(figure, path)
 
 

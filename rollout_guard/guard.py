@@ -21,7 +21,7 @@ from rollout_guard.alerts import Alert, AlertMonitor  # noqa: F401 - Alert is pa
 from rollout_guard.config import GuardConfig
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
-from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, delta_histogram, sample_statistics, step_aggregates
+from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, step_aggregates, summarise
 from rollout_guard.verdict import RULES, judge, rule_counts
 
 logger = logging.getLogger("rollout_guard")
@@ -128,8 +128,7 @@ class RolloutGuard:
                 if batch_size is not None and evidence.batch_size != batch_size:
                     raise GuardInputError("mask", f"{evidence.batch_size} rows, expected {batch_size} on every process",
                                           "give every process a batch of the same size")
-                local = sample_statistics(evidence, self.config)
-                histogram = delta_histogram(evidence)
+                local, histogram = summarise(evidence, self.config)
             except Exception as caught:  # noqa: BLE001 - must still join the collective below
                 error = caught
         if error is not None:

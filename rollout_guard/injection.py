@@ -3,7 +3,8 @@
 The corruption imitates stale engine state (vLLM PR #32118, where a new request read the SSM state another
 request left in a recycled cache slot): the engine generates the sample's tokens, and reports their logprobs,
 conditioned on a context other than the prompt the sample is attributed to. The trainer then scores those
-tokens under the true prompt. The engine-facing wrapper lives in ``rollout_guard.integrations.trl``.
+tokens under the true prompt. The engine-facing parts live in ``rollout_guard.integrations``: ``trl``
+(vLLM rollouts in TRL), ``hf_rollouts`` (transformers rollouts) and ``vllm_tools`` (``rollout-guard audit``).
 """
 
 from __future__ import annotations

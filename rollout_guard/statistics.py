@@ -62,11 +62,12 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
     return RolloutEvidence(pad(evidence.mask), pad(evidence.engine_logprobs), pad(evidence.trainer_logprobs), evidence.injected)
 
 
-def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.Tensor:
-    """(B, len(SAMPLE_COLUMNS)) float32 tensor of per-sample statistics, on the evidence's device."""
+def summarise(evidence: RolloutEvidence, config: GuardConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, and the |Δ| histogram of the compared tokens,
+    (NUM_DELTA_BINS,) float32, from one pass over the token tensors; both stay on the evidence's device."""
     evidence = _at_least_one_column(evidence)
     valid = evidence.mask.bool()
-    batch, length = valid.shape
+    batch = valid.shape[0]
     nan_row = torch.full((batch,), math.nan, device=valid.device, dtype=torch.float32)
     zeros = torch.zeros_like(valid, dtype=torch.float32)
     engine = evidence.engine_logprobs.float() if evidence.has_engine else zeros
@@ -85,13 +86,12 @@ def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.T
         divergent.any(dim=-1), divergent.int().argmax(dim=-1), torch.full((batch,), -1, device=valid.device)
     )
     compared = both.sum(dim=-1)
-    has_compared = compared > 0
     columns = {
         "tokens": valid.sum(dim=-1),
         "compared_tokens": compared,
         "max_abs_delta": _masked_max(abs_delta, both),
         "mean_abs_delta": _masked_mean(abs_delta, both),
-        "seq_log_ratio": torch.where(has_compared, log_ratio.sum(dim=-1), nan_row),
+        "seq_log_ratio": torch.where(compared > 0, log_ratio.sum(dim=-1), nan_row),
         "kl_k3": _masked_mean(k3, both),
         "engine_max_logprob": _masked_max(engine, engine_ok),
         "engine_mean_logprob": _masked_mean(engine, engine_ok),
@@ -103,21 +103,21 @@ def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.T
         "nonfinite_trainer_tokens": (valid & ~torch.isfinite(trainer)).sum(dim=-1) if evidence.has_trainer else zeros[:, 0],
         "injected": evidence.injected.float() if evidence.injected is not None else nan_row,
     }
-    return torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
+    samples = torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
+    bins = torch.bucketize(abs_delta, DELTA_BIN_EDGES.to(device=valid.device, dtype=abs_delta.dtype), right=True) - 1
+    histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.float32, device=valid.device)
+    histogram.scatter_add_(0, bins.flatten(), both.flatten().float())  # no boolean indexing: no host sync
+    return samples, histogram
 
 
-def delta_histogram(evidence: RolloutEvidence) -> torch.Tensor:
-    """(NUM_DELTA_BINS,) float32 counts of compared tokens' |Δ| over DELTA_BIN_EDGES; no host sync."""
-    device = evidence.device
-    counts = torch.zeros(NUM_DELTA_BINS, dtype=torch.float32, device=device)
-    if not (evidence.has_engine and evidence.has_trainer):
-        return counts
-    valid = evidence.mask.bool()
-    engine, trainer = evidence.engine_logprobs.float(), evidence.trainer_logprobs.float()
-    both = valid & torch.isfinite(engine) & torch.isfinite(trainer)
-    abs_delta = torch.where(both, trainer - engine, torch.zeros_like(engine)).abs().double()
-    bins = torch.bucketize(abs_delta, DELTA_BIN_EDGES.to(device), right=True) - 1
-    return counts.scatter_add_(0, bins.flatten(), both.flatten().float())
+def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.Tensor:
+    """(B, len(SAMPLE_COLUMNS)) float32 tensor of per-sample statistics, on the evidence's device."""
+    return summarise(evidence, config)[0]
+
+
+def delta_histogram(evidence: RolloutEvidence, config: GuardConfig | None = None) -> torch.Tensor:
+    """(NUM_DELTA_BINS,) float32 counts of compared tokens' |Δ| over DELTA_BIN_EDGES."""
+    return summarise(evidence, config or GuardConfig())[1]
 
 
 def histogram_quantile(counts: torch.Tensor, q: float) -> float:
