@@ -6,7 +6,7 @@ rollouts at a known rate the way stale engine state does (the engine generates f
 context); the guard, attached with one line, must quarantine exactly those. Prints a per-step table and a
 summary; writes the evidence of each quarantined sample and a spike chart under --output-dir.
 
-    python examples/demo.py --steps 30 --rate 0.05
+    python examples/demo.py --steps 60 --rate 0.05
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30, help="GRPO optimizer steps (default 30)")
+    parser.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps (default 60)")
     parser.add_argument("--rate", type=float, default=0.05, help="share of rollouts corrupted (default 0.05)")
     parser.add_argument("--batch", type=int, default=16, help="rollouts per step (default 16)")
     parser.add_argument("--group", type=int, default=4, help="rollouts per prompt, GRPO group size (default 4)")
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     from rollout_guard.sinks import ConsoleSink
 
     console = Console()
+    for previous in ("rollout_guard", "trainer", "wandb", "summary.json"):  # this demo's own earlier output
+        path = args.output_dir / previous
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
     started = time.perf_counter()
     recipe = TinyModelRecipe(architecture=args.arch)
     model_dir = build_tiny_model(args.cache_dir / "models", recipe)
@@ -105,8 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         "false_quarantines": summary.get("false_alarms", 0),
         "rules": {key.removeprefix("rule/"): value for key, value in summary.items() if key.startswith("rule/")},
         "steps": summary["steps"],
-        "reward_first_log": round(rewards[0], 3) if rewards else None,
-        "reward_last_log": round(rewards[-1], 3) if rewards else None,
+        "mean_reward": round(sum(rewards) / len(rewards), 3) if rewards else None,  # TRL's log, all rollouts
         "train_seconds": round(train_seconds, 2),
         "mean_step_seconds_trl": round(sum(step_seconds) / len(step_seconds), 4) if step_seconds else None,
         "mean_guard_seconds": round(sum(guard_ms) / len(guard_ms), 5) if guard_ms else None,
