@@ -114,3 +114,19 @@ def test_state_round_trip():
     restored.load_state_dict(guard.state_dict())
     assert restored.summary() == guard.summary()
     assert restored.totals.history == guard.totals.history
+
+
+def test_circuit_breaker_stops_or_alerts_as_configured():
+    stopping = RolloutGuard(GuardConfig(max_quarantine_share=0.5, ceiling_steps=2))
+    assert stopping.inspect(batch(0, [0, 1, 2]), step=1).stop_training is None  # 75 %, but only one step so far
+    report = stopping.inspect(batch(1, [0, 1, 2]), step=2)
+    assert report.stop_training and "max_quarantine_share=0.5 for 2 step(s)" in report.stop_training
+    assert [a.kind for a in report.alerts if a.level == "ERROR"] == ["circuit_breaker"]
+    assert stopping.summary()["stopped"] == report.stop_training
+    alerting = RolloutGuard(GuardConfig(max_quarantine_share=0.5, on_ceiling="alert", alert_cooldown_steps=10))
+    kinds = [[a.kind for a in alerting.inspect(batch(s, [0, 1, 2]), step=s).alerts] for s in range(1, 13)]
+    assert alerting.inspect(batch(20, [0, 1, 2]), step=20).stop_training is None
+    breaker_steps = [step for step, k in enumerate(kinds, start=1) if "circuit_breaker" in k]
+    assert breaker_steps == [1, 11], "error alerts, throttled by the cooldown, and training goes on"
+    calm = RolloutGuard(GuardConfig(max_quarantine_share=0.5))
+    assert calm.inspect(batch(0, [0]), step=1).stop_training is None  # 25 % is under the ceiling
