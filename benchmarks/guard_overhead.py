@@ -67,7 +67,6 @@ def reference_forward(rows: int, length: int, device: torch.device, hidden: int,
             torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[start : start + chunk].unsqueeze(-1))
 
     seconds = time_it(forward, device, repeats, warmup=1)
-    del model
     return seconds
 
 

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = GuardConfig(mode=args.mode, output_dir=str(guard_dir))
     sinks = default_sinks(training.report_to, config, guard_dir) + [ConsoleSink(console)]
     guarded = attach_guard(trainer, config, sinks=sinks)
-    injector = inject_stale_context(trainer, rate=args.rate, seed=args.seed)
+    inject_stale_context(trainer, rate=args.rate, seed=args.seed)
 
     train_started = time.perf_counter()
     trainer.train()

@@ -25,7 +25,6 @@ import math
 import os
 import random
 import time
-from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,12 +41,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("ROLLOUT_GUARD_CACHE", REPO / ".cache")))
     parser.add_argument("--timeout", type=int, default=180, help="seconds before a stuck collective fails (ddp_timeout)")
     return parser.parse_args(argv)
-
-
-def detach(batch: dict) -> dict:
-    import torch
-
-    return {key: value.detach().cpu().clone() for key, value in batch.items() if isinstance(value, torch.Tensor)}
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -78,36 +71,16 @@ def train(args: argparse.Namespace) -> dict:
     )
     rollouts = TransformersRollouts(stale_context_rate=args.rate, seed=3)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=copy_accuracy, args=config, train_dataset=dataset, rollout_func=rollouts)
-    raw, guarded_batches, rewards, injected, reports = [], [], [], [], []
-    original = trainer._generate_and_score_completions
-
-    def capture_raw(inputs):
-        batch = original(inputs)
-        raw.append(detach(batch))
-        return batch
-
-    trainer._generate_and_score_completions = capture_raw
-    guarded = attach_guard(trainer, GuardConfig(output_dir=str(args.out / "rollout_guard"), max_quarantine_share=0.9))
-    guarded_fn = trainer._generate_and_score_completions
-
-    def capture_guarded(inputs):
-        batch = guarded_fn(inputs)
-        report = guarded.last_report
-        guarded_batches.append(detach(batch))
-        rewards.append(guarded._rewards_per_func.detach().cpu().clone())
-        injected.append(rollouts.last_selected.clone())
-        evidence = guarded.last_evidence
-        reports.append({"suspect": report.suspect.clone(), "quarantined": report.quarantined.clone(),
-                        "metrics": dict(report.metrics), "overhead_seconds": guarded.last_overhead_seconds,
-                        "evidence": {"mask": evidence.mask.cpu(), "engine": evidence.engine_logprobs.cpu(),
-                                     "trainer": evidence.trainer_logprobs.cpu()}})
-        return batch
-
-    trainer._generate_and_score_completions = capture_guarded
+    guarded = attach_guard(trainer, GuardConfig(output_dir=str(args.out / "rollout_guard"), max_quarantine_share=0.9),
+                           keep_steps=True)
     started = time.perf_counter()
     trainer.train()
+    kept = guarded.steps
     result = {
-        "raw": raw, "guarded": guarded_batches, "rewards": rewards, "injected": injected, "reports": reports,
+        "raw": [step.before for step in kept], "guarded": [step.after for step in kept],
+        "rewards": [step.rewards_per_func for step in kept], "injected": [step.injected for step in kept],
+        "reports": [{"suspect": step.report.suspect, "quarantined": step.report.quarantined, "metrics": dict(step.report.metrics),
+                     "overhead_seconds": step.overhead_seconds, "evidence": step.evidence} for step in kept],
         "process_index": state.process_index, "num_processes": state.num_processes, "device": str(state.device),
         "train_seconds": time.perf_counter() - started, "num_generations": trainer.num_generations,
         "step_time": [row["step_time"] for row in trainer.state.log_history if "step_time" in row],

@@ -140,10 +140,30 @@ def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func
     return batch
 
 
+def host_tensors(batch: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    return {key: value.detach().cpu().clone() for key, value in (batch or {}).items() if isinstance(value, torch.Tensor)}
+
+
+@dataclass
+class GuardedStep:
+    """One guarded generation step on this process, kept when ``attach_guard(..., keep_steps=True)``: for checking
+    a setup (the tests and ``examples/two_process_grpo.py`` do), not for long runs (it keeps host copies)."""
+
+    step: int
+    before: dict[str, torch.Tensor]  # TRL's batch as it built it
+    after: dict[str, torch.Tensor]  # the batch the loss saw
+    evidence: dict[str, torch.Tensor]  # mask, engine and trainer logprobs the guard judged
+    rewards_per_func: torch.Tensor | None  # all processes' rewards, (N, reward functions)
+    injected: torch.Tensor | None  # this process's rows corrupted by a fault injector
+    report: StepReport
+    overhead_seconds: float
+
+
 class TrlGuard:
     """The guard attached to one GRPOTrainer. Create it with :func:`attach_guard`."""
 
-    def __init__(self, trainer: Any, config: GuardConfig | None = None, sinks: list[Sink] | None = None) -> None:
+    def __init__(self, trainer: Any, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
+                 keep_steps: bool = False) -> None:
         if getattr(trainer, "_rollout_guard", None) is not None:
             raise GuardError("this trainer already has a rollout guard attached; call attach_guard(trainer) once")
         for attribute in ("_generate_and_score_completions", "_calculate_rewards", "_load_optimizer_and_scheduler",
@@ -174,6 +194,8 @@ class TrlGuard:
         self.last_evidence: RolloutEvidence | None = None  # what the latest step was judged on (this process)
         self.last_overhead_seconds = 0.0
         self.stop_reason: str | None = None
+        self.keep_steps = keep_steps
+        self.steps: list[GuardedStep] = []
         self._rewards_per_func: torch.Tensor | None = None
         self._said: set[str] = set()
         self._advantage_check_done = False
@@ -212,9 +234,24 @@ class TrlGuard:
         if not self.trainer.model.training:
             return batch
         started = time.perf_counter()
-        batch = self.guard_batch(batch)
+        guarded = self.guard_batch(batch)
         self.last_overhead_seconds = time.perf_counter() - started
-        return batch
+        if self.keep_steps and self.last_report is not None:
+            self.steps.append(self._kept_step(batch, guarded))
+        return guarded
+
+    def _kept_step(self, before: dict[str, Any], after: dict[str, Any]) -> GuardedStep:
+        evidence = self.last_evidence
+        injector = getattr(self.trainer, "_rollout_guard_injector", None)
+        rewards = self._rewards_per_func
+        return GuardedStep(
+            step=self.last_report.step, before=host_tensors(before), after=host_tensors(after),
+            evidence=host_tensors(None if evidence is None else {
+                "mask": evidence.mask, "engine": evidence.engine_logprobs, "trainer": evidence.trainer_logprobs}),
+            rewards_per_func=None if rewards is None else rewards.detach().cpu().clone(),
+            injected=None if injector is None or injector.last_selected is None else injector.last_selected.clone(),
+            report=self.last_report, overhead_seconds=self.last_overhead_seconds,
+        )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         self._original_load_optimizer_and_scheduler(checkpoint)
@@ -437,9 +474,13 @@ class _GuardCallback(TrainerCallback):
         self.guarded.close()
 
 
-def attach_guard(trainer: Any, config: GuardConfig | None = None, sinks: list[Sink] | None = None) -> TrlGuard:
-    """Guard this GRPOTrainer's rollouts from now on; returns the attached guard (also ``trainer._rollout_guard``)."""
-    return TrlGuard(trainer, config=config, sinks=sinks)
+def attach_guard(trainer: Any, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
+                 keep_steps: bool = False) -> TrlGuard:
+    """Guard this GRPOTrainer's rollouts from now on; returns the attached guard (also ``trainer._rollout_guard``).
+
+    ``sinks``: where reports go (default: local files, plus W&B / trackio when ``report_to`` names them).
+    ``keep_steps``: keep every step's batches, evidence and report in ``.steps`` (for checking a setup)."""
+    return TrlGuard(trainer, config=config, sinks=sinks, keep_steps=keep_steps)
 
 
 # -- fault injection -------------------------------------------------------------------------------------------

@@ -123,12 +123,6 @@ def loss_invariance(trainer, raw: dict, guarded: dict) -> dict:
     return {"quarantined_rows": int(quarantined.sum()), "losses": results}
 
 
-def detach(batch: dict) -> dict:
-    import torch
-
-    return {key: value.detach().cpu().clone() for key, value in batch.items() if isinstance(value, torch.Tensor)}
-
-
 def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = None, resume_from: str | None = None) -> None:
     import torch
     from datasets import Dataset
@@ -169,37 +163,10 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         return [copy_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
 
     trainer = GRPOTrainer(model=model, reward_funcs=copy_accuracy, args=GRPOConfig(**settings), train_dataset=dataset)
-    raw, guarded_batches, rewards, injected, reports = [], [], [], [], []
-    original = trainer._generate_and_score_completions
-
-    def capture_raw(inputs):
-        batch = original(inputs)
-        raw.append(detach(batch))
-        return batch
-
-    trainer._generate_and_score_completions = capture_raw
     guard_settings = {"max_quarantine_share": 0.95, **spec.get("guard", {})}
-    guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings))
+    guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings), keep_steps=True)
     if spec["rate"] is not None:
-        injector = inject_stale_context(trainer, rate=spec["rate"], seed=0)
-    else:
-        injector = None
-    guarded_fn = trainer._generate_and_score_completions
-
-    def capture_guarded(inputs):
-        batch = guarded_fn(inputs)
-        guarded_batches.append(detach(batch))
-        rewards.append(None if guarded._rewards_per_func is None else guarded._rewards_per_func.detach().cpu().clone())
-        injected.append(None if injector is None else injector.last_selected.clone())
-        report = guarded.last_report
-        reports.append(None if report is None else {
-            "suspect": report.suspect.clone(), "quarantined": report.quarantined.clone(), "reasons": report.reasons.clone(),
-            "metrics": dict(report.metrics), "overhead_seconds": guarded.last_overhead_seconds,
-            "alerts": [alert.kind for alert in report.alerts],
-        })
-        return batch
-
-    trainer._generate_and_score_completions = capture_guarded
+        inject_stale_context(trainer, rate=spec["rate"], seed=0)
     started = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=resume_from)
@@ -207,6 +174,14 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         if server is not None:
             server.terminate()
             server.wait(timeout=60)
+    kept = guarded.steps
+    raw = [step.before for step in kept]
+    guarded_batches = [step.after for step in kept]
+    reports = [{
+        "suspect": step.report.suspect, "quarantined": step.report.quarantined, "reasons": step.report.reasons,
+        "metrics": dict(step.report.metrics), "overhead_seconds": step.overhead_seconds,
+        "alerts": [alert.kind for alert in step.report.alerts],
+    } for step in kept]
     invariance = None
     if name == "colocate":
         usable = [
@@ -218,7 +193,8 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     torch.save(
         {
             "loss_invariance": invariance,
-            "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": rewards, "injected": injected,
+            "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": [step.rewards_per_func for step in kept],
+            "injected": [step.injected for step in kept],
             "reports": reports, "log_history": trainer.state.log_history, "summary": guarded.guard.summary(),
             "guard_dir": str(guarded.output_dir), "train_seconds": time.perf_counter() - started,
             "guard_state": guarded.guard.state_dict(),
