@@ -1,6 +1,9 @@
-"""Framework adapters of rollout_guard (installed as ``rollout_guard.integrations``).
+"""Framework adapters of rollout_guard, installed as ``rollout_guard.integrations``.
 
-``rollout_guard.integrations.trl``: attach the guard to a TRL GRPOTrainer, fault injection.
-``rollout_guard.integrations.vllm_cpu``: CPU support for TRL's vLLM colocate mode.
-``rollout_guard.integrations.tiny_model``: a tiny model + tokenizer built locally for tests and the demo.
+``trl``: attach the guard to a TRL GRPOTrainer (``attach_guard``), vLLM fault injection.
+``vllm_cpu``: CPU support for TRL's vLLM colocate mode and a vLLM server command for the CPU build.
+``vllm_tools``: ``rollout-guard audit`` and ``replay`` (a vLLM engine next to transformers).
+``hf_rollouts``: a transformers rollout engine (``rollout_func``) with engine logprobs, and transformers scoring.
+``wandb`` and ``trackio``: sinks for those trackers.
+``tiny_model``: a tiny model and tokenizer built locally, for tests and the demo.
 """
