@@ -287,8 +287,8 @@ class TrlGuard:
         guarded = batch
         if not report.skipped:
             rewards = self._rewards_per_func
+            self._check_advantage_replica(batch, report, rewards)  # first step only; a mismatch always raises
             try:
-                self._check_advantage_replica(batch, report, rewards)
                 if report.any_quarantined:
                     if rewards is None:
                         raise GuardError("TRL's _calculate_rewards was not called in this generation step; this TRL "
@@ -336,7 +336,9 @@ class TrlGuard:
                        what, type(error).__name__, error, self.guard.totals.failures)
 
     def _check_advantage_replica(self, batch: dict[str, Any], report: StepReport, rewards: torch.Tensor | None) -> None:
-        """Once per run: with nothing excluded, the guard's advantage arithmetic must reproduce TRL's."""
+        """Once per run: with nothing excluded, the guard's advantage arithmetic must reproduce TRL's. A mismatch
+        means this TRL computes advantages differently: re-normalising groups would be wrong, so it raises in
+        every mode, on the first guarded step (the same on every process: the data and arithmetic are)."""
         if self._advantage_check_done or rewards is None:
             return
         self._advantage_check_done = True
