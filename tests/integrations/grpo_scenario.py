@@ -22,6 +22,7 @@ SCENARIOS = {
     # rates are far above real ones so that 4 steps say something; the circuit breaker's ceiling is raised to
     # match, except in the scenario that tests it.
     "colocate": dict(mode="quarantine", rate=0.3, lr=5e-4, config={}),
+    "replica_mismatch": dict(mode="quarantine", rate=0.3, lr=5e-4, config={}),
     "breaker": dict(mode="quarantine", rate=0.9, lr=5e-4, config={}, guard={"max_quarantine_share": 0.5}),
     "monitor": dict(mode="monitor", rate=0.3, lr=5e-4, config={}),
     "no_is_correction": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"vllm_importance_sampling_correction": False}),
@@ -167,6 +168,10 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings), keep_steps=True)
     if spec["rate"] is not None:
         inject_stale_context(trainer, rate=spec["rate"], seed=0)
+    if name == "replica_mismatch":  # pretend TRL computed advantages differently from what the guard replicates
+        from dataclasses import replace
+
+        guarded.settings = replace(guarded.settings, scale_rewards="none")
     started = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=resume_from)

@@ -261,3 +261,12 @@ def test_two_processes_agree_and_match_one_process_on_the_same_data(tmp_path_fac
         assert alone.metrics["max_abs_delta"] == pytest.approx(r0["metrics"]["max_abs_delta"])
         assert alone.metrics["tokens"] == r0["metrics"]["tokens"]
     assert injected_total >= 3
+
+
+def test_a_trl_whose_advantages_differ_from_the_replica_stops_at_the_first_step(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("replica_mismatch")
+    done = subprocess.run([sys.executable, str(SCENARIO_SCRIPT), "replica_mismatch", "--out", str(out), "--model", str(tiny_model_dir)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode != 0
+    assert "TRL's advantages differ from rollout_guard's replica" in done.stderr
+    assert not (out / "result.pt").exists()
