@@ -14,6 +14,7 @@ from another request's prompt and attributed to their own (see ``rollout_guard.i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -65,7 +66,7 @@ class TransformersRollouts:
         was_training = model.training
         model.eval()
         dtype = next(model.parameters()).dtype
-        autocast = torch.autocast(device.type, dtype=self.engine_dtype) if self.engine_dtype not in (None, dtype) else _nothing()
+        autocast = torch.autocast(device.type, dtype=self.engine_dtype) if self.engine_dtype not in (None, dtype) else contextlib.nullcontext()
         config = copy.deepcopy(trainer.generation_config)  # TRL's own: temperature, top-p/k, min-p, penalties
         config.output_scores = True
         config.return_dict_in_generate = True
@@ -82,14 +83,6 @@ class TransformersRollouts:
         sequences, token_logprobs = sequences.cpu(), token_logprobs.cpu()
         return ([sequences[row, :n].tolist() for row, n in enumerate(lengths)],
                 [token_logprobs[row, :n].tolist() for row, n in enumerate(lengths)])
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @torch.no_grad()

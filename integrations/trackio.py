@@ -6,10 +6,9 @@ held until a run exists and then sent with ``train/global_step``, as transformer
 
 from __future__ import annotations
 
-import math
-
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord
+from rollout_guard.sinks import finite_metrics
 
 PREFIX = "rollout_guard/"
 
@@ -32,7 +31,7 @@ class TrackioSink:
         pass
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
-        row = {f"{PREFIX}{k}": v for k, v in report.metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        row: dict[str, float] = finite_metrics(report.metrics, PREFIX)
         row["train/global_step"] = report.step
         self.pending.append(row)
         self._flush()

@@ -118,7 +118,9 @@ def evidence_of(batch: dict[str, Any], trainer_logprobs: torch.Tensor | None = N
     """The guard's evidence in a TRL batch: vLLM's logprobs, TRL's trainer logprobs (or the given ones), loss mask."""
     engine = batch.get("sampling_per_token_logps")
     trainer_logprobs = batch.get("old_per_token_logps") if trainer_logprobs is None else trainer_logprobs
-    return RolloutEvidence(mask=loss_mask_of(batch), engine_logprobs=engine, trainer_logprobs=trainer_logprobs, injected=injected)
+    mask = loss_mask_of(batch)
+    return RolloutEvidence(mask=mask, engine_logprobs=engine, trainer_logprobs=trainer_logprobs,
+                           injected=None if injected is None else injected.to(mask.device))
 
 
 def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func: torch.Tensor, settings: GroupSettings) -> dict[str, Any]:
@@ -270,9 +272,7 @@ class TrlGuard:
         if batch.get("old_per_token_logps") is None and self.config.compute_trainer_logprobs:
             trainer_logprobs = self._trainer_logprobs(batch)
         injector = getattr(self.trainer, "_rollout_guard_injector", None)
-        injected = injector.last_selected if injector is not None else None
-        mask = loss_mask_of(batch)
-        return evidence_of(batch, trainer_logprobs, None if injected is None else injected.to(mask.device))
+        return evidence_of(batch, trainer_logprobs, injector.last_selected if injector is not None else None)
 
     def guard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         trainer = self.trainer

@@ -22,6 +22,7 @@ from rollout_guard.charts import spike_chart, token_chart
 from rollout_guard.config import GuardConfig
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord
+from rollout_guard.sinks import finite_metrics
 from rollout_guard.statistics import DELTA_BIN_EDGES
 
 logger = logging.getLogger("rollout_guard")
@@ -86,9 +87,7 @@ class WandbSink:
             run.define_metric("train/global_step")
             run.define_metric(f"{PREFIX}*", step_metric="train/global_step", step_sync=True)
             self._defined_for = run
-        payload: dict[str, Any] = {
-            f"{PREFIX}{key}": value for key, value in report.metrics.items() if isinstance(value, (int, float)) and math.isfinite(value)
-        }
+        payload: dict[str, Any] = finite_metrics(report.metrics, PREFIX)
         counts = report.delta_histogram.numpy()
         if counts.sum() > 0:
             payload[f"{PREFIX}log10_abs_delta"] = self.wandb.Histogram(np_histogram=(counts, self.edges))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import typer
+
+from rollout_guard.report import format_value
 
 app = typer.Typer(help="rollout_guard: keep corrupted rollouts out of RL training.", no_args_is_help=True, add_completion=False)
 
@@ -31,10 +32,6 @@ def report(
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     typer.echo(str(path))
-
-
-def _fmt(value: float | None) -> str:
-    return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4g}"
 
 
 @app.command()
@@ -69,12 +66,12 @@ def audit(
     for key in ("samples", "tokens", "max_abs_delta", "mean_abs_delta", "p99_abs_delta", "kl_k3", "engine_mean_logprob",
                 "trainer_mean_logprob", "confident_wrong_tokens", "nonfinite_engine_tokens", "suspect", "caught", "missed", "false_alarms"):
         if key in metrics:
-            table.add_row(key, _fmt(metrics[key]))
+            table.add_row(key, format_value(metrics[key]))
     table.add_row("seconds (load / generate / score)", " / ".join(f"{v:.1f}" for v in result.seconds.values()))
     console.print(table)
     worst = sorted(result.records, key=lambda r: -(r.stats.get("max_abs_delta") or 0))[:5]
     for record in worst:
-        console.print(f"suspect row {record.row} ({', '.join(record.rules)}; max |Δ| {_fmt(record.stats['max_abs_delta'])}): "
+        console.print(f"suspect row {record.row} ({', '.join(record.rules)}; max |Δ| {format_value(record.stats['max_abs_delta'])}): "
                       f"{record.prompt_text!r} -> {record.completion_text[:60]!r}", highlight=False, soft_wrap=True)
     if inject_rate > 0:
         clean = metrics.get("missed", 0) == 0 and metrics.get("false_alarms", 0) == 0
@@ -124,17 +121,17 @@ def replay(
     trainer_recorded = record.trainer_logprobs or [None] * len(record.completion_ids)
     fresh = result.engine or [None] * len(record.completion_ids)
     for i, token in enumerate(record.completion_tokens):
-        table.add_row(str(i), repr(token), _fmt(engine_recorded[i]), _fmt(trainer_recorded[i]), _fmt(result.trainer[i]), _fmt(fresh[i]))
+        table.add_row(str(i), repr(token), format_value(engine_recorded[i]), format_value(trainer_recorded[i]), format_value(result.trainer[i]), format_value(fresh[i]))
     console.print(table)
     trainer_drift = max((abs(a - b) for a, b in zip(result.trainer, trainer_recorded, strict=True) if b is not None), default=0.0)
     console.print(f"trainer replayed vs recorded: max |diff| {trainer_drift:.3g} nats"
                   + ("" if trainer_drift < 1e-3 else " (other weights than at that step? pass --model <checkpoint>)"), highlight=False)
     recorded = result.verdict_recorded
-    console.print(f"recorded engine vs replayed trainer: max |Δ| {_fmt(recorded.metrics['max_abs_delta'])}, suspect: {bool(recorded.suspect[0])}",
+    console.print(f"recorded engine vs replayed trainer: max |Δ| {format_value(recorded.metrics['max_abs_delta'])}, suspect: {bool(recorded.suspect[0])}",
                   highlight=False)
     if result.verdict_fresh_engine is not None:
         fresh_report = result.verdict_fresh_engine
-        console.print(f"fresh engine vs replayed trainer: max |Δ| {_fmt(fresh_report.metrics['max_abs_delta'])}, "
+        console.print(f"fresh engine vs replayed trainer: max |Δ| {format_value(fresh_report.metrics['max_abs_delta'])}, "
                       f"suspect: {bool(fresh_report.suspect[0])}", highlight=False)
         if bool(recorded.suspect[0]) and not bool(fresh_report.suspect[0]):
             console.print("conclusion: a fresh engine agrees with the trainer on this prompt; the recorded engine logprobs "

@@ -13,6 +13,11 @@ def _nan_to_none(values: list[float]) -> list[float | None]:
     return [None if (value is None or not math.isfinite(value)) else value for value in values]
 
 
+def json_safe(values: dict[str, Any]) -> dict[str, Any]:
+    """NaN and ±inf floats become None (JSON has no NaN)."""
+    return {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in values.items()}
+
+
 @dataclass
 class QuarantineRecord:
     """A suspect sample, with everything needed to replay it (see ``rollout-guard replay``).
@@ -50,7 +55,7 @@ class QuarantineRecord:
 
     def to_json_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["stats"] = {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in self.stats.items()}
+        data["stats"] = json_safe(self.stats)
         for key in ("engine_logprobs", "trainer_logprobs"):
             if data[key] is not None:
                 data[key] = _nan_to_none(data[key])

@@ -47,7 +47,8 @@ def _img(path: Path, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def _fmt(value: object) -> str:
+def format_value(value: object) -> str:
+    """A cell or line value: floats to 4 significant digits, NaN/inf/None as a dash."""
     if isinstance(value, float):
         return "–" if not math.isfinite(value) else f"{value:.4g}"
     return "–" if value is None else str(value)
@@ -95,7 +96,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
                 first_text = f"#{int(first)} {record.completion_tokens[int(first)]!r}"
             cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text, record.completion_text,
                      record.reward, _nan(record.stats.get("max_abs_delta")), _nan(record.stats.get("mean_abs_delta")), first_text, record.injected)
-            body.append("<tr>" + "".join(f"<td>{html.escape(_fmt(cell))}</td>" for cell in cells) + "</tr>")
+            body.append("<tr>" + "".join(f"<td>{html.escape(format_value(cell))}</td>" for cell in cells) + "</tr>")
         sections.append(
             f"<h2>Quarantined samples ({len(records)})</h2><table><tr>"
             + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" + "".join(body) + "</table>"
@@ -108,7 +109,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         "alerts": len(alerts),
         "records in store": len(records),
     }
-    summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in summary.items())
+    summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>" for k, v in summary.items())
     config_html = html.escape(json.dumps(config, indent=1))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout_guard report</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} img{{max-width:100%;display:block;margin:8px 0}}

@@ -15,7 +15,7 @@ from typing import Protocol
 from rollout_guard.charts import spike_chart
 from rollout_guard.config import GuardConfig
 from rollout_guard.guard import RolloutGuard, StepReport
-from rollout_guard.records import QuarantineRecord
+from rollout_guard.records import QuarantineRecord, json_safe
 from rollout_guard.store import QuarantineStore
 
 
@@ -30,8 +30,9 @@ class Sink(Protocol):
         """Training ended; flush and close."""
 
 
-def json_safe(metrics: dict[str, float]) -> dict[str, float | None]:
-    return {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in metrics.items()}
+def finite_metrics(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """The finite numbers of a metrics dict, keys prefixed (what trackers can plot)."""
+    return {f"{prefix}{key}": value for key, value in metrics.items() if isinstance(value, (int, float)) and math.isfinite(value)}
 
 
 class LocalFilesSink:
