@@ -1,0 +1,230 @@
+"""Detection fidelity benchmark: how often the guard misses corruption and drops good samples.
+
+Replays real clean rollouts (``benchmarks/fidelity_data/*.parquet``: engine vs trainer logprobs with their real
+numeric mismatch) under several noise conditions, mixed with the fault zoo, through ``RolloutGuard`` as a stream
+of training steps, and prints per fault type × noise condition the recall, and per condition the false
+quarantines per clean sample and per million clean tokens, with Wilson 95 % intervals and PASS/FAIL against the
+goal: recall ≥ 99.9 % of corrupted rollouts at ≤ 0.1 % false quarantines of clean rollouts, in the same step,
+with no extra forward pass (the guard only reads the logprobs TRL already has). PASS compares the point
+estimate; CI-PASS also needs the whole interval on the right side of the goal.
+
+    python benchmarks/fidelity.py                         # today's GuardConfig defaults
+    python benchmarks/fidelity.py --preset defaults --out benchmarks/results-fidelity
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
+from benchmarks.fidelity_kit.rollouts import Rollouts, cat, from_table, read_tables  # noqa: E402
+from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
+from rollout_guard.config import GuardConfig  # noqa: E402
+from rollout_guard.verdict import judge  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = str(REPO / "benchmarks" / "fidelity_data" / "*.parquet")
+
+app = typer.Typer(add_completion=False)
+
+
+def preset(name: str) -> GuardConfig:
+    """The guard configurations the benchmark knows. The circuit breaker is off: it is about stopping a run, not
+    about which samples are judged corrupt, and a stream with many faults would trip it."""
+    if name == "defaults":
+        return GuardConfig(max_quarantine_share=None)
+    raise typer.BadParameter(f"--preset {name!r}: use 'defaults'")
+
+
+Noise = Callable[[Rollouts], Rollouts]
+
+
+def conditions(table, seed: int, step_rows: int) -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
+    """(name, clean base rollouts, real faulty rollouts by fault, noise applied on top, noise parameters) per noise
+    condition. The noise goes on top of faulty rows too (after the fault): an engine that reads stale state still
+    returns processed logprobs, and a run's numeric noise does not stop at a corrupted sample."""
+    import pyarrow.compute as pc
+
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for source in sorted(set(table.column("source").to_pylist())):
+        of_source = table.filter(pc.equal(table.column("source"), source))
+        keys = sorted(set(zip(of_source.column("temperature").to_pylist(), of_source.column("top_p").to_pylist(),
+                              of_source.column("top_k").to_pylist(), strict=True)))
+        pooled_clean, pooled_faults = [], {}
+        for temperature, top_p, top_k in keys:
+            part = of_source.filter(pc.and_(pc.and_(pc.equal(of_source.column("temperature"), temperature),
+                                                    pc.equal(of_source.column("top_p"), top_p)),
+                                            pc.equal(of_source.column("top_k"), top_k)))
+            name = f"{source}/T{temperature:g}/top_p{top_p:g}/top_k{top_k}"
+            clean_table = part.filter(pc.equal(part.column("fault"), "none"))
+            if clean_table.num_rows == 0:
+                continue
+            clean = from_table(clean_table, name)
+            real_faults = {f"real_{fault}": from_table(part.filter(pc.equal(part.column("fault"), fault)), name)
+                           for fault in sorted(set(part.column("fault").to_pylist()) - {"none"})}
+            for fault, rows in real_faults.items():
+                pooled_faults.setdefault(fault, []).append(rows)
+            out.append((name, clean, real_faults, lambda rows: rows, {"noise": "real (as measured)", **noise.describe(clean)}))
+            pooled_clean.append(clean)
+        if not pooled_clean:
+            continue
+        clean = cat(pooled_clean)
+        real = {name: cat(parts) for name, parts in pooled_faults.items()}
+        for profile in (noise.DENSE_7B, noise.HYBRID_7B):
+            fitted = noise.fit_heavy_tail(clean, generator, profile, step_rows)
+            apply = functools.partial(noise.heavy_tail, generator=generator, fitted=fitted)
+            achieved = noise.describe(apply(clean))
+            out.append((f"{source}/+{profile.name}", clean, real, apply,
+                        {"noise": profile.name, "source": profile.source, **fitted, **achieved}))
+        apply = functools.partial(noise.topk_high_entropy, generator=generator)
+        out.append((f"{source}/+topk5_high_entropy", clean, real, apply,
+                    {"noise": "topk5_high_entropy", **noise.describe(apply(clean))}))
+    return out
+
+
+def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator) -> dict[str, Rollouts]:
+    pools = {}
+    for name, function in zoo.SYNTHETIC_FAULTS.items():
+        index = torch.randint(0, len(clean), (count,), generator=generator)
+        pools[name] = function(clean.rows(index), generator)
+    return pools
+
+
+def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[str, list[float]]:
+    """Recall per fault and clean false rate, pooled over conditions, with the nat thresholds scaled."""
+    samples = torch.cat([j.rows()[0] for j in judged_all])
+    labels = [label for j in judged_all for label in j.rows()[2]]
+    counted = torch.cat([j.rows()[3] for j in judged_all])
+    curves: dict[str, list[float]] = {}
+    names = sorted(set(labels))
+    label_rows = {name: torch.tensor([label == name for label in labels]) & counted for name in names}
+    for factor in factors.tolist():
+        scaled = replace(config, spike_delta=config.spike_delta * factor if config.spike_delta else None,
+                         mean_delta=config.mean_delta * factor if config.mean_delta else None)
+        suspect = judge(samples, scaled).suspect
+        for name in names:
+            rows = label_rows[name]
+            curves.setdefault(name, []).append(float((suspect & rows).sum()) / max(int(rows.sum()), 1))
+    return curves
+
+
+def plot_sweep(curves: dict[str, list[float]], factors: torch.Tensor, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5.5))
+    false_rate = torch.tensor(curves["clean"]).clamp(min=1e-6)
+    for name, recall in curves.items():
+        if name == "clean":
+            continue
+        axis.plot(false_rate, recall, marker=".", label=name)
+    default = int((factors - 1.0).abs().argmin())
+    axis.axvline(GOAL_FALSE_RATE, color="grey", linestyle="--", linewidth=1)
+    axis.axhline(GOAL_RECALL, color="grey", linestyle="--", linewidth=1)
+    axis.scatter([float(false_rate[default])] * 1, [0.0], marker="^", color="black", label="default thresholds (x)")
+    axis.set_xscale("log")
+    axis.set_xlabel("false quarantines per clean rollout (pooled; 1e-6 = none)")
+    axis.set_ylabel("recall of corrupted rollouts")
+    axis.set_title(title, fontsize=10)
+    axis.legend(fontsize=7, loc="lower right")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _cell(value: dict, key: str) -> str:
+    ci = value["ci"]
+    mark = "PASS" if value["pass"] else "FAIL"
+    if value["ci_pass"]:
+        mark = "CI-PASS"
+    if key == "recall":
+        return f"{100 * value['recall']:.2f} % [{100 * ci[0]:.2f}, {100 * ci[1]:.2f}] {mark}"
+    return f"{100 * value['false_rate']:.3f} % [{100 * ci[0]:.3f}, {100 * ci[1]:.3f}] {mark}"
+
+
+def markdown(results: list[dict]) -> str:
+    faults = sorted({name for result in results for name in result["figures"] if name != "clean"})
+    lines = ["| condition | clean rows | false quarantines (95 % CI) | per M clean tokens | "
+             + " | ".join(faults) + " |", "|" + " --- |" * (4 + len(faults))]
+    for result in results:
+        f = result["figures"]
+        clean = f["clean"]
+        cells = [f"{100 * f[name]['recall']:.1f}{'' if f[name]['pass'] else ' ✗'}" if name in f else "–" for name in faults]
+        lines.append(f"| {result['condition']} | {clean['rows']} | {_cell(clean, 'false')} | "
+                     f"{clean['false_per_m_tokens']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@app.command()
+def main(
+    data: str = typer.Option(DEFAULT_DATA, help="glob of parquet files of clean (and model-generated faulty) rollouts"),
+    preset_name: str = typer.Option("defaults", "--preset", help="guard configuration to measure"),
+    faults_per_condition: int = typer.Option(2000, help="rollouts per synthetic fault kind per condition"),
+    step_rows: int = typer.Option(256, help="rollouts per training step"),
+    fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream"),
+    mask_truncated: bool = typer.Option(False, help="as TRL's mask_truncated_completions=True: truncated rows' loss mask is zero"),
+    seed: int = typer.Option(0),
+    out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for results.json, results.md, sweep.png"),
+) -> None:
+    paths = sorted(glob.glob(data))
+    if not paths:
+        raise typer.BadParameter(f"--data {data!r} matches no file: generate the data (benchmarks/fidelity_data/README.md)")
+    config = preset(preset_name)
+    started = time.perf_counter()
+    table = read_tables(paths)
+    generator = torch.Generator().manual_seed(seed)
+    results, judged_all = [], []
+    for name, clean, real_faults, apply, params in conditions(table, seed, step_rows):
+        faulty = {key: apply(rows) for key, rows in
+                  {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
+        judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
+                        mask_truncated=mask_truncated)
+        judged_all.append(judged)
+        f = figures(judged)
+        results.append({"condition": name, "params": params, "figures": f})
+        clean_f = f["clean"]
+        worst = min((v["recall"], k) for k, v in f.items() if k != "clean") if len(f) > 1 else (math.nan, "-")
+        print(f"{name}: clean {clean_f['rows']} rows, false {_cell(clean_f, 'false')}; "
+              f"lowest recall {100 * worst[0]:.2f} % ({worst[1]})", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    all_pass = all(v["pass"] for r in results for v in r["figures"].values())
+    summary = {
+        "preset": preset_name, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
+        "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows,
+        "fault_share": fault_share, "mask_truncated": mask_truncated, "seed": seed,
+        "goal": {"recall": GOAL_RECALL, "false_rate": GOAL_FALSE_RATE}, "all_pass": all_pass,
+        "seconds": round(time.perf_counter() - started, 1), "results": results,
+    }
+    (out / f"results-{preset_name}.json").write_text(json.dumps(summary, indent=1))
+    table_md = markdown(results)
+    (out / f"results-{preset_name}.md").write_text(
+        f"# Fidelity: preset `{preset_name}`\n\nGoal: recall ≥ {100 * GOAL_RECALL:g} % at ≤ {100 * GOAL_FALSE_RATE:g} % "
+        f"false quarantines. Recall cells in %, ✗ = below goal. Overall: {'PASS' if all_pass else 'FAIL'}.\n\n{table_md}\n")
+    factors = torch.logspace(-1, 1, 21)
+    curves = sweep(judged_all, config, factors)
+    plot_sweep(curves, factors, out / f"sweep-{preset_name}.png",
+               f"preset {preset_name}: spike_delta and mean_delta scaled ×0.1…×10 (pooled over conditions)")
+    print(table_md)
+    print(f"overall: {'PASS' if all_pass else 'FAIL'} against recall ≥ {GOAL_RECALL:.1%} at ≤ {GOAL_FALSE_RATE:.1%} "
+          f"false quarantines ({summary['seconds']} s)")
+
+
+if __name__ == "__main__":
+    app()

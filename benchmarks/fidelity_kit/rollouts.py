@@ -1,0 +1,109 @@
+"""Rollouts as padded tensors: what the benchmark, the noise models and the fault zoo work on.
+
+The parquet files under ``benchmarks/fidelity_data/`` hold one row per rollout (see that folder's README): the
+sampled token ids, the engine's logprob of each (as the engine returns it: processed, after top-k/top-p), the
+trainer's logprob of the same token (temperature only), and metadata. Here they become right-padded (B, T)
+tensors; no per-sample Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """A batch of rollouts, right-padded. Engine/trainer logprobs are 0.0 where ``mask`` is False."""
+
+    mask: torch.Tensor  # (B, T) bool
+    engine: torch.Tensor  # (B, T) float32, nats
+    trainer: torch.Tensor  # (B, T) float32, nats
+    truncated: torch.Tensor  # (B,) bool: no EOS, ran to the length limit
+    step: torch.Tensor  # (B,) int64: the generation batch each row came from
+    condition: str = ""
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(dim=-1)
+
+    def __len__(self) -> int:
+        return self.mask.shape[0]
+
+    def rows(self, index: torch.Tensor) -> Rollouts:
+        """A sub-batch (``index`` is a LongTensor or bool mask), trimmed to its longest row."""
+        mask = self.mask[index]
+        width = max(int(mask.sum(dim=-1).max()) if len(mask) else 1, 1)
+        return replace(self, mask=mask[:, :width], engine=self.engine[index][:, :width],
+                       trainer=self.trainer[index][:, :width], truncated=self.truncated[index], step=self.step[index])
+
+    def widened(self, width: int) -> Rollouts:
+        """The same rows padded to ``width`` columns (never narrower)."""
+        extra = max(width - self.mask.shape[1], 0)
+        if extra == 0:
+            return self
+        pad = torch.nn.functional.pad
+        return replace(self, mask=pad(self.mask, (0, extra)), engine=pad(self.engine, (0, extra)),
+                       trainer=pad(self.trainer, (0, extra)))
+
+
+def cat(parts: Sequence[Rollouts]) -> Rollouts:
+    width = max(part.mask.shape[1] for part in parts)
+    parts = [part.widened(width) for part in parts]
+    return Rollouts(
+        mask=torch.cat([p.mask for p in parts]), engine=torch.cat([p.engine for p in parts]),
+        trainer=torch.cat([p.trainer for p in parts]), truncated=torch.cat([p.truncated for p in parts]),
+        step=torch.cat([p.step for p in parts]), condition=parts[0].condition,
+    )
+
+
+def pad_lists(offsets: np.ndarray, values: np.ndarray, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged values (CSR: ``values[offsets[i]:offsets[i+1]]`` is row i) → (B, T) padded tensor and (B, T) mask.
+
+    >>> padded, mask = pad_lists(np.array([0, 2, 3]), np.array([1.0, 2.0, 3.0], dtype=np.float32))
+    >>> padded.tolist(), mask.tolist()
+    ([[1.0, 2.0], [3.0, 0.0]], [[True, True], [True, False]])
+    """
+    lengths = torch.from_numpy(np.diff(offsets).astype(np.int64))
+    width = max(int(lengths.max()) if lengths.numel() else 1, 1)
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    padded = torch.full((len(lengths), width), fill, dtype=torch.float32)
+    padded[mask] = torch.from_numpy(np.array(values, dtype=np.float32))
+    return padded, mask
+
+
+def _list_column(table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow as pa
+
+    column = table.column(name).combine_chunks()
+    if isinstance(column, pa.ChunkedArray):  # pyarrow < 15 returns a ChunkedArray
+        column = pa.concat_arrays(column.chunks)
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values[offsets[0] : offsets[-1]]
+
+
+def from_table(table, condition: str = "") -> Rollouts:
+    """Padded rollouts from a pyarrow table in the benchmark's format."""
+    offsets, engine_values = _list_column(table, "engine_logprobs")
+    engine, mask = pad_lists(offsets, engine_values)
+    trainer_offsets, trainer_values = _list_column(table, "trainer_logprobs")
+    if not np.array_equal(trainer_offsets, offsets):
+        raise ValueError("trainer_logprobs and engine_logprobs differ in length on some row")
+    trainer, _ = pad_lists(offsets, trainer_values)
+    truncated = torch.from_numpy(table.column("truncated").to_numpy(zero_copy_only=False).astype(bool))
+    step = torch.from_numpy(table.column("step").to_numpy(zero_copy_only=False).astype(np.int64))
+    return Rollouts(mask=mask, engine=engine, trainer=trainer, truncated=truncated, step=step, condition=condition)
+
+
+def read_tables(paths: Sequence[str | Path]):
+    """All parquet files concatenated (columns the benchmark needs, plus metadata)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = [pq.read_table(path) for path in paths]
+    return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]

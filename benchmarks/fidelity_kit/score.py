@@ -1,0 +1,149 @@
+"""Scoring: Wilson intervals, and the replay of clean and faulty rollouts through the guard as training steps."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.fidelity_kit.rollouts import Rollouts, cat
+from rollout_guard.config import GuardConfig
+from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.guard import RolloutGuard
+
+GOAL_RECALL = 0.999  # of corrupted rollouts
+GOAL_FALSE_RATE = 0.001  # false quarantines per clean rollout
+
+
+def wilson(successes: int, total: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score 95 % interval of a binomial proportion.
+
+    .. math:: \\frac{\\hat p + z^2/2n \\pm z\\sqrt{\\hat p(1-\\hat p)/n + z^2/4n^2}}{1 + z^2/n}
+
+    >>> [round(x, 4) for x in wilson(0, 1000)]
+    [0.0, 0.0038]
+    >>> [round(x, 4) for x in wilson(999, 1000)]
+    [0.9944, 0.9998]
+    """
+    if total == 0:
+        return (math.nan, math.nan)
+    p = successes / total
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass
+class Judged:
+    """Per-sample statistics and verdicts of every judged row, with its label."""
+
+    samples: list[torch.Tensor] = field(default_factory=list)  # (n, columns) per step
+    suspect: list[torch.Tensor] = field(default_factory=list)  # (n,) bool
+    label: list[list[str]] = field(default_factory=list)  # "clean" or the fault name, per row
+    counted: list[torch.Tensor] = field(default_factory=list)  # (n,) bool: counts towards the figures
+    tokens: list[torch.Tensor] = field(default_factory=list)  # (n,) tokens per row
+
+    def add(self, samples: torch.Tensor, suspect: torch.Tensor, labels: list[str], counted: torch.Tensor,
+            tokens: torch.Tensor) -> None:
+        self.samples.append(samples)
+        self.suspect.append(suspect)
+        self.label.append(labels)
+        self.counted.append(counted)
+        self.tokens.append(tokens)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor, torch.Tensor]:
+        labels = [label for step in self.label for label in step]
+        return (torch.cat(self.samples), torch.cat(self.suspect), labels, torch.cat(self.counted),
+                torch.cat(self.tokens))
+
+
+def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool) -> RolloutEvidence:
+    mask = rows.mask if judge_truncated else rows.mask & ~rows.truncated.unsqueeze(1)
+    return RolloutEvidence(mask=mask, engine_logprobs=rows.engine, trainer_logprobs=rows.trainer, injected=injected)
+
+
+def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, generator: torch.Generator,
+           step_rows: int = 256, fault_share: float = 0.02, mask_truncated: bool = False,
+           make_guard=None) -> Judged:
+    """Feed one noise condition to a fresh guard as a stream of training steps.
+
+    Phase 1 streams every clean row once, in data order, ``step_rows`` per step, with ``fault_share`` of each step
+    taken from the faulty pools (round-robin over fault kinds), so calibration sees a realistic fault rate.
+    Phase 2 judges the remaining faulty rows, a quarter of each step, beside resampled clean rows that fill the
+    step and are not counted (false quarantines are counted on unique clean rows only).
+    ``mask_truncated``: TRL's ``mask_truncated_completions=True`` zeroes truncated rows' loss mask before the guard.
+    """
+    guard = make_guard(config) if make_guard is not None else RolloutGuard(config)
+    judged = Judged()
+    names = list(faulty)
+    cursors = dict.fromkeys(names, 0)
+    order = torch.argsort(clean.step, stable=True)
+    per_step_faults = max(1, round(fault_share * step_rows)) if names else 0
+    turn = 0
+
+    def take_faults(count: int) -> tuple[list[Rollouts], list[str]]:
+        """``count`` faulty rows, round-robin over the fault kinds that have rows left (one slice per kind)."""
+        nonlocal turn
+        wanted = dict.fromkeys(names, 0)
+        for _ in range(count):
+            left = [name for name in names if cursors[name] + wanted[name] < len(faulty[name])]
+            if not left:
+                break
+            wanted[left[turn % len(left)]] += 1
+            turn += 1
+        parts, labels = [], []
+        for name, number in wanted.items():
+            if number:
+                parts.append(faulty[name].rows(torch.arange(cursors[name], cursors[name] + number)))
+                labels += [name] * number
+                cursors[name] += number
+        return parts, labels
+
+    def judge(parts: list[Rollouts], labels: list[str], counted: torch.Tensor, step: int) -> None:
+        rows = cat(parts)
+        injected = torch.tensor([label != "clean" for label in labels])
+        report = guard.inspect(_evidence(rows, injected, not mask_truncated), step=step)
+        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1))
+
+    step = 0
+    clean_step_rows = step_rows - per_step_faults
+    for start in range(0, len(clean), clean_step_rows):
+        index = order[start : start + clean_step_rows]
+        parts, labels = take_faults(per_step_faults)
+        parts = [clean.rows(index), *parts]
+        labels = ["clean"] * len(index) + labels
+        step += 1
+        judge(parts, labels, torch.ones(len(labels), dtype=torch.bool), step)
+
+    fill = step_rows - step_rows // 4
+    while any(cursors[name] < len(faulty[name]) for name in names):
+        parts, labels = take_faults(step_rows // 4)
+        index = torch.randint(0, len(clean), (fill,), generator=generator)
+        counted = torch.tensor([False] * fill + [True] * len(labels))
+        step += 1
+        judge([clean.rows(index), *parts], ["clean"] * fill + labels, counted, step)
+    return judged
+
+
+def figures(judged: Judged, suspect: torch.Tensor | None = None) -> dict[str, dict]:
+    """Recall per fault and false quarantines of clean rows, with Wilson intervals and PASS/FAIL."""
+    _, verdict, labels, counted, tokens = judged.rows()
+    verdict = verdict if suspect is None else suspect
+    out: dict[str, dict] = {}
+    for name in sorted(set(labels)):
+        rows = torch.tensor([label == name for label in labels]) & counted
+        total = int(rows.sum())
+        flagged = int((verdict & rows).sum())
+        if name == "clean":
+            low, high = wilson(flagged, total)
+            clean_tokens = int(tokens[rows].sum())
+            out[name] = {"rows": total, "tokens": clean_tokens, "false": flagged, "false_rate": flagged / max(total, 1),
+                         "ci": [low, high], "false_per_m_tokens": flagged / max(clean_tokens, 1) * 1e6,
+                         "pass": flagged / max(total, 1) <= GOAL_FALSE_RATE, "ci_pass": high <= GOAL_FALSE_RATE}
+        else:
+            low, high = wilson(flagged, total)
+            out[name] = {"rows": total, "caught": flagged, "recall": flagged / max(total, 1), "ci": [low, high],
+                         "pass": flagged / max(total, 1) >= GOAL_RECALL, "ci_pass": low >= GOAL_RECALL}
+    return out
