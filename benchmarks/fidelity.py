@@ -46,7 +46,12 @@ def preset(name: str) -> GuardConfig:
     about which samples are judged corrupt, and a stream with many faults would trip it."""
     if name == "defaults":
         return GuardConfig(max_quarantine_share=None)
-    raise typer.BadParameter(f"--preset {name!r}: use 'defaults'")
+    if name == "v0.1":  # the fixed thresholds of release 0.1, chosen on the tiny copy model
+        return GuardConfig(max_quarantine_share=None, spike_delta=8.0, mean_delta=1.0, confident_wrong_tokens=2,
+                           spike_excess=None, drift_threshold=None)
+    if name == "detector-only":  # the direction-aware rules and NaN rules alone
+        return GuardConfig(max_quarantine_share=None, spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
+    raise typer.BadParameter(f"--preset {name!r}: use 'defaults', 'v0.1' or 'detector-only'")
 
 
 Noise = Callable[[Rollouts], Rollouts]
@@ -197,11 +202,11 @@ def main(
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
                         mask_truncated=mask_truncated)
         judged_all.append(judged)
-        f = figures(judged)
+        f = figures(judged, config)
         results.append({"condition": name, "params": params, "figures": f})
         clean_f = f["clean"]
         worst = min((v["recall"], k) for k, v in f.items() if k != "clean") if len(f) > 1 else (math.nan, "-")
-        print(f"{name}: clean {clean_f['rows']} rows, false {_cell(clean_f, 'false')}; "
+        print(f"{name}: clean {clean_f['rows']} rows, false {_cell(clean_f, 'false')} {clean_f['rules']}; "
               f"lowest recall {100 * worst[0]:.2f} % ({worst[1]})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     all_pass = all(v["pass"] for r in results for v in r["figures"].values())

@@ -20,6 +20,10 @@ MODES = ("monitor", "quarantine")
 ON_CEILING = ("stop", "alert")
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class GuardConfig:
     """Settings of the rollout guard. A rule whose threshold is ``None`` is off."""
@@ -29,13 +33,19 @@ class GuardConfig:
     (zero loss mask, excluded from their group's advantage baseline, loss normaliser corrected). Default
     ``"quarantine"``."""
 
-    spike_delta: float | None = 8.0
-    """nats. Rule ``token_spike``: some token's |engine − trainer| logprob exceeds this. 8 nats is a probability
-    ratio of ~3000, far above bf16 noise (≤ ~2 nats on rare tokens). Default 8.0."""
+    spike_delta: float | None = 25.0
+    """nats. Rule ``token_spike``, a fixed ceiling that needs no calibration: some token's |engine − trainer|
+    logprob exceeds this, whatever the token. Healthy 7B runs reach 10.6–13.2 nats (dense) and ≈ 18 nats (hybrid)
+    per step on tokens both sides find unlikely (allenai/open-instruct ``docs/hybrid-rl-logprobs.md``), so the
+    ceiling sits above those; ``directional_spike`` catches smaller spikes where they matter. Release 0.1 used 8.0,
+    which fired on healthy heavy-tailed runs in the fidelity benchmark. Default 25.0."""
 
-    mean_delta: float | None = 1.0
-    """nats per token. Rule ``mean_drift``: the sample's mean |engine − trainer| logprob over its compared tokens
-    exceeds this. Clean bf16: ~0.01–0.05; stale state: several nats. Default 1.0."""
+    mean_delta: float | None = 3.0
+    """nats per token. Rule ``mean_drift``, a fixed ceiling: the sample's mean |engine − trainer| logprob over its
+    compared tokens exceeds this. Above the processed-logprob offset of an early high-entropy policy sampled with
+    top_k=5 (≈ 1.5 nats per token, issue 10) and the per-step mean of healthy hybrid runs (0.24–0.58); below
+    confident stale-state gibberish. The calibrated ``drift`` rule catches subtler drift. Release 0.1 used 1.0,
+    which flagged every clean sample of a top_k=5 high-entropy run. Default 3.0."""
 
     confident_logprob: float = math.log(0.5)
     """nats. An engine logprob at or above this makes a token *confident* (p ≥ 0.5). Default ln 0.5 ≈ −0.693."""
@@ -54,6 +64,45 @@ class GuardConfig:
     nonfinite_trainer_tokens: int | None = 1
     """tokens. Rule ``nonfinite_trainer``: at least this many trainer logprobs are NaN or ±inf; such a sample
     would poison the loss whatever the engine did. Default 1."""
+
+    spike_excess: float | None = 3.0
+    """nats. Rule ``directional_spike``: some token that at least one side found likely (logprob ≥
+    ``spike_min_engine_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above the larger of this floor and
+    the run's calibrated threshold for its engine bucket (the ``1 − α`` quantile of healthy ``|x|``, α from
+    ``false_alarm_budget``). Catches 1–3 isolated spikes (the scan-kernel overflow of vLLM PR #35275) in either
+    direction. 3 nats = a probability ratio of 20 on a token one side gave ≥ 5 %. Default 3.0."""
+
+    spike_min_engine_logprob: float = math.log(0.05)
+    """nats. Tokens that both sides put below this logprob are not checked by ``directional_spike``: healthy runs put
+    their large |Δ| (10–18 nats in 7B runs, allenai/open-instruct) on tokens both sides find unlikely. Default
+    ln 0.05 ≈ −3.0."""
+
+    drift_threshold: float | None = 6.0
+    """nats. Rule ``drift``: the CUSUM of ``clip(x, −1, 4) − allowance`` over the sample's tokens exceeds this.
+    Catches corruption from token 0 at any confidence and corruption that starts late (a CUSUM does not care where
+    a run starts); one healthy tail token moves it by at most 4 nats. Default 6.0."""
+
+    drift_allowance: float = 0.5
+    """nats per token. What ``x`` may average per token on a run before the drift CUSUM grows, once the run's own
+    offset per engine bucket is calibrated. Moderate corruption averages ≥ 0.7 nats per token. Default 0.5."""
+
+    warmup_drift_allowance: float = 2.0
+    """nats per token. The allowance before calibration (the first steps of a run): above the processed-logprob
+    offset of an early, high-entropy policy sampled with top_k=5 (≈ 1.5 nats per token), below confident
+    stale-state gibberish (≥ 2 nats per token). Default 2.0."""
+
+    false_alarm_budget: float = 0.5
+    """expected false ``directional_spike`` firings per 1,000 clean samples, from which each bucket's calibrated
+    spike threshold is set (the healthy ``x`` quantile at 1 − budget / 1000 / tokens per sample in the bucket).
+    Default 0.5 (half the goal of ≤ 1 false quarantine per 1,000)."""
+
+    calibration_warmup_tokens: int = 20_000
+    """tokens. A bucket's calibration is used once this many (decayed) kept tokens have fed it; before, the fixed
+    thresholds apply. Default 20,000 (a 0.1 % quantile then rests on ~20 tokens)."""
+
+    calibration_decay: float = 0.95
+    """per step. The calibration's counts are multiplied by this before each step's kept tokens are added (a
+    memory of ~20 steps, so it follows the policy as it sharpens). Default 0.95."""
 
     divergence_delta: float = 1.0
     """nats. A token whose |Δ| exceeds this counts as *divergent*; the index of the first one is reported with
@@ -127,6 +176,25 @@ class GuardConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value <= 0):
                 raise GuardConfigError(name, value, "use a log-probability in nats (≤ 0), e.g. math.log(0.5)")
+        for name in ("spike_excess", "drift_threshold"):
+            value = getattr(self, name)
+            if value is not None and not (_number(value) and value > 0 and math.isfinite(value)):
+                raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
+        for name in ("drift_allowance", "warmup_drift_allowance"):
+            value = getattr(self, name)
+            if not (_number(value) and 0 <= value < math.inf):
+                raise GuardConfigError(name, value, "use a finite number of nats per token ≥ 0")
+        if not (_number(self.spike_min_engine_logprob) and -math.inf < self.spike_min_engine_logprob <= 0):
+            raise GuardConfigError("spike_min_engine_logprob", self.spike_min_engine_logprob,
+                                   "use a finite log-probability in nats (≤ 0), e.g. math.log(0.05)")
+        if not (_number(self.false_alarm_budget) and 0 < self.false_alarm_budget < 1000):
+            raise GuardConfigError("false_alarm_budget", self.false_alarm_budget,
+                                   "use expected false firings per 1,000 clean samples, in (0, 1000)")
+        if not (isinstance(self.calibration_warmup_tokens, int) and not isinstance(self.calibration_warmup_tokens, bool)
+                and self.calibration_warmup_tokens >= 1):
+            raise GuardConfigError("calibration_warmup_tokens", self.calibration_warmup_tokens, "use a whole number of tokens ≥ 1")
+        if not (_number(self.calibration_decay) and 0 < self.calibration_decay <= 1):
+            raise GuardConfigError("calibration_decay", self.calibration_decay, "use a factor in (0, 1]; 1 never forgets")
         if not (isinstance(self.divergence_delta, (int, float)) and self.divergence_delta > 0):
             raise GuardConfigError("divergence_delta", self.divergence_delta, "use a positive number of nats")
         for name in ("chart_every_steps", "image_every_steps", "spike_image_min_gap_steps", "alert_baseline_steps", "alert_cooldown_steps"):

@@ -21,7 +21,16 @@ from rollout_guard.alerts import Alert, AlertMonitor  # noqa: F401 - Alert is pa
 from rollout_guard.config import GuardConfig
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
-from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, step_aggregates, summarise
+from rollout_guard.calibration import Calibration
+from rollout_guard.statistics import (
+    CALIBRATION_WIDTH,
+    COLUMN,
+    NUM_DELTA_BINS,
+    NUM_ENGINE_BUCKETS,
+    SAMPLE_COLUMNS,
+    step_aggregates,
+    summarise,
+)
 from rollout_guard.verdict import RULES, judge, rule_counts
 
 logger = logging.getLogger("rollout_guard")
@@ -29,6 +38,7 @@ logger = logging.getLogger("rollout_guard")
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 STATUS_OK, STATUS_INPUT_ERROR, STATUS_FAILURE = 1.0, 0.0, -1.0
+CALIBRATION_SIZE = NUM_ENGINE_BUCKETS * CALIBRATION_WIDTH
 
 
 def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,6 +124,7 @@ class RolloutGuard:
         self.device = torch.device(device)
         self.totals = GuardTotals()
         self.alerts = AlertMonitor(self.config)
+        self.calibration = Calibration(self.config)
         self.last_guard_seconds = 0.0
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None) -> StepReport:
@@ -128,7 +139,13 @@ class RolloutGuard:
                 if batch_size is not None and evidence.batch_size != batch_size:
                     raise GuardInputError("mask", f"{evidence.batch_size} rows, expected {batch_size} on every process",
                                           "give every process a batch of the same size")
-                local, histogram = summarise(evidence, self.config)
+                thresholds = self.calibration.thresholds(evidence.device)
+                local, histogram, contribution = summarise(evidence, self.config, thresholds)
+                # The verdict is a pure function of a sample's row and the (rank-identical) calibration, so this
+                # rank can tell already which of its samples will be kept: only those feed the calibration.
+                kept = ~judge(local, self.config).suspect
+                calibration = (contribution * kept.view(-1, 1, 1).float()).sum(dim=0).flatten()
+                kept_rows = kept.sum().view(1).float()
             except Exception as caught:  # noqa: BLE001 - must still join the collective below
                 error = caught
         if error is not None:
@@ -136,9 +153,12 @@ class RolloutGuard:
                 raise error
             local = torch.zeros(batch_size, width, device=self.device)
             histogram = torch.zeros(NUM_DELTA_BINS, device=self.device)
+            calibration = torch.zeros(CALIBRATION_SIZE, device=self.device)
+            kept_rows = torch.zeros(1, device=self.device)
         status = STATUS_OK if error is None else (STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE)
         batch = local.shape[0]
-        packet = torch.cat([torch.tensor([status], device=local.device), local.flatten().float(), histogram.float()])
+        packet = torch.cat([torch.tensor([status], device=local.device), local.flatten().float(), histogram.float(),
+                            calibration.to(local.device).float(), kept_rows.to(local.device)])
         gathered = self.gather(packet.to(self.device)).view(-1, packet.numel())  # the one collective
         statuses = gathered[:, 0]
         if (statuses != STATUS_OK).any():
@@ -151,14 +171,16 @@ class RolloutGuard:
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, started: float) -> StepReport:
         width = len(SAMPLE_COLUMNS)
         samples = gathered[:, : batch * width].reshape(-1, width)
-        global_histogram = gathered[:, batch * width :].sum(dim=0)
+        global_histogram = gathered[:, batch * width : batch * width + NUM_DELTA_BINS].sum(dim=0)
+        calibration = gathered[:, batch * width + NUM_DELTA_BINS :].sum(dim=0)  # kept contributions, then kept rows
         verdict = judge(samples, self.config)
         quarantined = verdict.suspect if self.config.quarantines else torch.zeros_like(verdict.suspect)
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
 
-        host = torch.cat([samples.flatten(), global_histogram, verdict.reasons.float()]).cpu()  # the one host sync
+        host = torch.cat([samples.flatten(), global_histogram, calibration, verdict.reasons.float()]).cpu()  # the one host sync
         samples_host = host[: samples.numel()].view_as(samples)
-        reasons_host = host[samples.numel() + NUM_DELTA_BINS :].to(torch.int32)
+        calibration_host = host[samples.numel() + NUM_DELTA_BINS : samples.numel() + NUM_DELTA_BINS + CALIBRATION_SIZE + 1]
+        reasons_host = host[samples.numel() + NUM_DELTA_BINS + CALIBRATION_SIZE + 1 :].to(torch.int32)
         suspect_host = reasons_host != 0
         report = StepReport(
             step=step,
@@ -171,6 +193,8 @@ class RolloutGuard:
             local_quarantined=quarantined[local_rows],
         )
         report.metrics = self._step_metrics(report)
+        self.calibration.update(calibration_host[:-1].view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH), float(calibration_host[-1]))
+        report.metrics.update(self._calibration_metrics())
         report.alerts = self.alerts.check(step, report.metrics)
         self._circuit_breaker(report)
         self.last_guard_seconds = time.perf_counter() - started
@@ -248,6 +272,15 @@ class RolloutGuard:
             metrics["false_alarms"] = float((~labelled & report.suspect).sum())
         return metrics
 
+    def _calibration_metrics(self) -> dict[str, float]:
+        """The thresholds the next step will use, per engine bucket (nats)."""
+        thresholds = self.calibration.thresholds("cpu")
+        metrics = {"calibrated_buckets": float(self.calibration.warm().sum())}
+        for bucket in range(NUM_ENGINE_BUCKETS):
+            metrics[f"calibration/centre_b{bucket}"] = float(thresholds.centre[bucket])
+            metrics[f"calibration/spike_b{bucket}"] = float(thresholds.spike[bucket])
+        return metrics
+
     def _update_totals(self, report: StepReport) -> None:
         totals, metrics = self.totals, report.metrics
         totals.steps += 1
@@ -274,11 +307,14 @@ class RolloutGuard:
         )
 
     def state_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "totals": self.totals.to_dict(), "alerts": self.alerts.state_dict()}
+        return {"config": self.config.to_dict(), "totals": self.totals.to_dict(), "alerts": self.alerts.state_dict(),
+                "calibration": self.calibration.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.totals = GuardTotals.from_dict(state["totals"])
         self.alerts.load_state_dict(state["alerts"])
+        if "calibration" in state:
+            self.calibration.load_state_dict(state["calibration"])
 
     def summary(self) -> dict[str, float]:
         totals = self.totals

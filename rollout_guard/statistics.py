@@ -7,7 +7,9 @@ is NaN (never a pad's 0.0). Per step, aggregates over all valid tokens of the (g
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -30,12 +32,26 @@ SAMPLE_COLUMNS = (
     "nonfinite_engine_tokens",  # tokens whose engine logprob is NaN/±inf
     "nonfinite_trainer_tokens",  # tokens whose trainer logprob is NaN/±inf
     "injected",  # 1/0 ground truth from a fault injector, NaN without one
+    "spike_margin",  # nats: max over tokens likely for either side of (|x| − the bucket's spike threshold); > 0 fires
+    "drift_cusum",  # nats: max over the sequence of the CUSUM of (clip(x) − allowance)
+    "drift_start",  # index in the completion where that CUSUM run starts, −1 without a compared token
 )
 COLUMN = {name: index for index, name in enumerate(SAMPLE_COLUMNS)}
 
 # |Δ| histogram: [0, 1e-6) then 8 bins per decade up to 100 nats, then [100, inf).
 DELTA_BIN_EDGES = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, 2, 8 * 8 + 1, dtype=torch.float64)])
 NUM_DELTA_BINS = DELTA_BIN_EDGES.numel()  # the last bin is the overflow bin [100, inf)
+
+# Engine-logprob buckets (nats): (<−3), [−3, −1.5), [−1.5, −0.5), [−0.5, 0]. Healthy mismatch grows with a
+# token's surprise, and corruption lives in the upper buckets (the engine liked the token).
+ENGINE_BUCKET_EDGES = (-3.0, -1.5, -0.5)
+NUM_ENGINE_BUCKETS = len(ENGINE_BUCKET_EDGES) + 1
+# Positive excess x (nats) histogram per bucket, for the calibrated spike thresholds: 2^(k/4), 0.25 … 64 nats;
+# the last bin is [64, inf). Values below 0.25 count only in the bucket's token count.
+EXCESS_EDGES = tuple(2.0 ** (k / 4) for k in range(-8, 25))
+NUM_EXCESS_BINS = len(EXCESS_EDGES)
+CALIBRATION_WIDTH = 3 + NUM_EXCESS_BINS  # per bucket: tokens, Σ clip(x), spike candidates, their |x| histogram
+EXCESS_CLIP = (-1.0, 4.0)  # nats: one token moves the CUSUM by at most this much (before the allowance)
 
 _K3_LOG_RATIO_CAP = 30.0  # exp(30) ≈ 1e13 stays finite in float32; larger ratios add nothing to a verdict
 
@@ -51,6 +67,60 @@ def _masked_mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
 
 
+def engine_bucket(engine: torch.Tensor) -> torch.Tensor:
+    """Bucket index (0 … NUM_ENGINE_BUCKETS − 1) of each engine logprob, by :data:`ENGINE_BUCKET_EDGES`.
+
+    >>> engine_bucket(torch.tensor([-7.0, -3.0, -1.0, -0.1])).tolist()
+    [0, 1, 2, 3]
+    """
+    edges = torch.tensor(ENGINE_BUCKET_EDGES, dtype=engine.dtype, device=engine.device)
+    return torch.bucketize(engine.contiguous(), edges, right=True)
+
+
+def cusum_drawup(increments: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-sided CUSUM over each row: the largest rise of the running sum, and where that rise starts.
+
+    .. math:: C_t = \\sum_{i \\le t} v_i\\,u_i, \\qquad
+              S = \\max_t \\big(C_t - \\min(0, \\min_{j \\le t} C_j)\\big)
+
+    with ``u`` the increments and ``v`` the valid flags (invalid tokens add nothing). Equal to the classic
+    recursion ``S_t = max(0, S_{t−1} + u_t)``, ``S = max_t S_t``, computed without a loop over t.
+
+    Args:
+        increments: (B, T) float.
+        valid: (B, T) bool.
+    Returns:
+        (B,) drawup ≥ 0, and (B,) long index of the first token of the rise (0 if it starts at the beginning).
+
+    >>> s, start = cusum_drawup(torch.tensor([[1., 1., -5., 2., 2., 2.]]), torch.ones(1, 6, dtype=torch.bool))
+    >>> s.tolist(), start.tolist()
+    ([6.0], [3])
+    """
+    running = torch.where(valid, increments, torch.zeros_like(increments)).cumsum(dim=-1)
+    lows, where = torch.cummin(running, dim=-1)
+    floor = lows.clamp(max=0.0)
+    rise = running - floor
+    best = rise.argmax(dim=-1, keepdim=True)
+    start = torch.where(floor.gather(-1, best) < 0, where.gather(-1, best) + 1, torch.zeros_like(best)).squeeze(-1)
+    return rise.amax(dim=-1).clamp(min=0.0), start
+
+
+class Thresholds(NamedTuple):
+    """Per engine-logprob bucket (NUM_ENGINE_BUCKETS,) tensors the detector statistics need: the centre of
+    healthy ``d`` (nats), the CUSUM allowance (nats per token) and the spike threshold on ``x`` (nats)."""
+
+    centre: torch.Tensor
+    allowance: torch.Tensor
+    spike: torch.Tensor
+
+    @classmethod
+    def fixed(cls, config: GuardConfig, device: torch.device | str = "cpu") -> Thresholds:
+        """Before calibration: centre 0, the warm-up allowance, the spike floor."""
+        full = functools.partial(torch.full, (NUM_ENGINE_BUCKETS,), dtype=torch.float32, device=device)
+        spike = config.spike_excess if config.spike_excess is not None else math.inf
+        return cls(full(0.0), full(config.warmup_drift_allowance), full(spike))
+
+
 def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
     """Empty completions (T = 0) become one masked-out column, so reductions have something to reduce."""
     if evidence.mask.shape[-1] > 0:
@@ -62,10 +132,15 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
     return RolloutEvidence(pad(evidence.mask), pad(evidence.engine_logprobs), pad(evidence.trainer_logprobs), evidence.injected)
 
 
-def summarise(evidence: RolloutEvidence, config: GuardConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, and the |Δ| histogram of the compared tokens,
-    (NUM_DELTA_BINS,) float32, from one pass over the token tensors; both stay on the evidence's device."""
+def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, the |Δ| histogram of the compared tokens,
+    (NUM_DELTA_BINS,) float32, and each sample's calibration contribution, (B, NUM_ENGINE_BUCKETS,
+    CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), excess histogram per bucket), from one pass over the token
+    tensors; all stay on the evidence's device. ``thresholds``: the calibrated detector thresholds (default:
+    :meth:`Thresholds.fixed`)."""
     evidence = _at_least_one_column(evidence)
+    thresholds = thresholds if thresholds is not None else Thresholds.fixed(config, evidence.device)
     valid = evidence.mask.bool()
     batch = valid.shape[0]
     nan_row = torch.full((batch,), math.nan, device=valid.device, dtype=torch.float32)
@@ -86,6 +161,16 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig) -> tuple[torch.Ten
         divergent.any(dim=-1), divergent.int().argmax(dim=-1), torch.full((batch,), -1, device=valid.device)
     )
     compared = both.sum(dim=-1)
+
+    # direction-aware detector: x = d − centre of the token's engine bucket
+    bucket = engine_bucket(torch.where(engine_ok, engine, torch.zeros_like(engine)))
+    centre, allowance, spike = (t.to(device=valid.device, dtype=torch.float32)[bucket] for t in thresholds)
+    excess = torch.where(both, (engine - trainer) - centre, torch.zeros_like(engine))
+    likely = both & (torch.maximum(engine, trainer) >= config.spike_min_engine_logprob)
+    spike_margin = _masked_max(excess.abs() - spike, likely)
+    clipped = excess.clamp(*EXCESS_CLIP)
+    drift, drift_start = cusum_drawup(clipped - allowance, both)
+    contribution = calibration_contribution(bucket, excess, clipped, both, likely)
     columns = {
         "tokens": valid.sum(dim=-1),
         "compared_tokens": compared,
@@ -102,12 +187,41 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig) -> tuple[torch.Ten
         "nonfinite_engine_tokens": (valid & ~torch.isfinite(engine)).sum(dim=-1) if evidence.has_engine else zeros[:, 0],
         "nonfinite_trainer_tokens": (valid & ~torch.isfinite(trainer)).sum(dim=-1) if evidence.has_trainer else zeros[:, 0],
         "injected": evidence.injected.float() if evidence.injected is not None else nan_row,
+        "spike_margin": spike_margin,
+        "drift_cusum": torch.where(compared > 0, drift, nan_row),
+        "drift_start": torch.where(compared > 0, drift_start, torch.full_like(drift_start, -1)),
     }
     samples = torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
     bins = torch.bucketize(abs_delta, DELTA_BIN_EDGES.to(device=valid.device, dtype=abs_delta.dtype), right=True) - 1
     histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.float32, device=valid.device)
     histogram.scatter_add_(0, bins.flatten(), both.flatten().float())  # no boolean indexing: no host sync
-    return samples, histogram
+    return samples, histogram, contribution
+
+
+def calibration_contribution(bucket: torch.Tensor, excess: torch.Tensor, clipped: torch.Tensor,
+                             compared: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """Per sample and engine bucket: compared tokens, Σ clip(x), spike-candidate tokens and the histogram of their
+    |x| over :data:`EXCESS_EDGES`; (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32, by scatter (no host sync).
+
+    >>> c = calibration_contribution(torch.tensor([[3, 3, 0]]), torch.tensor([[0.1, -1.0, -2.0]]),
+    ...                              torch.tensor([[0.1, -1.0, -1.0]]), torch.tensor([[True, True, False]]),
+    ...                              torch.tensor([[True, True, False]]))
+    >>> c[0, 3, :3].tolist(), int(c[0, 3, 3:].sum()), float(c[0, 0].sum())
+    ([2.0, -0.8999999761581421, 2.0], 1, 0.0)
+    """
+    batch, width = bucket.shape
+    weight = compared.float()
+    rows = torch.arange(batch, device=bucket.device).unsqueeze(1).expand(batch, width)
+    base = (rows * NUM_ENGINE_BUCKETS + bucket) * CALIBRATION_WIDTH
+    out = torch.zeros(batch * NUM_ENGINE_BUCKETS * CALIBRATION_WIDTH, dtype=torch.float32, device=bucket.device)
+    out.scatter_add_(0, base.flatten(), weight.flatten())
+    out.scatter_add_(0, (base + 1).flatten(), (clipped * weight).flatten())
+    candidates = (compared & candidate).float()
+    out.scatter_add_(0, (base + 2).flatten(), candidates.flatten())
+    edges = torch.tensor(EXCESS_EDGES, dtype=excess.dtype, device=excess.device)
+    index = torch.bucketize(excess.abs().contiguous(), edges, right=True) - 1  # −1 below the first edge
+    out.scatter_add_(0, (base + 3 + index.clamp(min=0)).flatten(), (candidates * (index >= 0).float()).flatten())
+    return out.view(batch, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
 
 
 def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.Tensor:

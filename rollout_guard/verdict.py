@@ -13,7 +13,8 @@ import torch
 from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import COLUMN
 
-RULES = ("nonfinite_engine", "nonfinite_trainer", "token_spike", "mean_drift", "confident_wrong")
+RULES = ("nonfinite_engine", "nonfinite_trainer", "token_spike", "mean_drift", "confident_wrong", "directional_spike",
+         "drift")
 RULE_BIT = {name: 1 << index for index, name in enumerate(RULES)}
 
 
@@ -36,6 +37,10 @@ def rule_firings(samples: torch.Tensor, config: GuardConfig) -> dict[str, torch.
         firings["mean_drift"] = column["mean_abs_delta"] > config.mean_delta
     if config.confident_wrong_tokens is not None:
         firings["confident_wrong"] = column["confident_wrong_tokens"] >= config.confident_wrong_tokens
+    if config.spike_excess is not None:
+        firings["directional_spike"] = column["spike_margin"] > 0
+    if config.drift_threshold is not None:
+        firings["drift"] = column["drift_cusum"] > config.drift_threshold
     return firings
 
 

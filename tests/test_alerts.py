@@ -15,7 +15,7 @@ def test_quiet_run_sends_nothing():
 
 
 def test_rate_jump_alerts_once_then_cools_down():
-    monitor = AlertMonitor(GuardConfig(alert_cooldown_steps=100))
+    monitor = AlertMonitor(GuardConfig(alert_cooldown_steps=100, spike_delta=8.0))
     for step in range(1, 50):
         assert not monitor.check(step, step_metrics(0.0, 1e-6))
     alerts = monitor.check(50, step_metrics(0.25, 12.0))
@@ -47,9 +47,9 @@ def test_spike_must_pass_the_rule_threshold_and_the_baseline():
 
 
 def test_state_round_trip_keeps_baselines_and_cooldowns():
-    monitor = AlertMonitor(GuardConfig())
+    monitor = AlertMonitor(GuardConfig(spike_delta=8.0))
     monitor.check(1, step_metrics(0.3, 12.0))
-    restored = AlertMonitor(GuardConfig())
+    restored = AlertMonitor(GuardConfig(spike_delta=8.0))
     restored.load_state_dict(monitor.state_dict())
     assert restored.state_dict() == monitor.state_dict()
     assert not restored.check(2, step_metrics(0.9, 40.0))  # still cooling down

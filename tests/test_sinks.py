@@ -40,7 +40,7 @@ def test_console_sink_prints_one_row_per_step():
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    guard = RolloutGuard(GuardConfig())
+    guard = RolloutGuard(GuardConfig(spike_delta=8.0))  # a spike alert above the token_spike ceiling
     sink = ConsoleSink(console)
     sink.on_step(guard.inspect(evidence(False), step=0), guard)
     sink.on_step(guard.inspect(evidence(True), step=1), guard)

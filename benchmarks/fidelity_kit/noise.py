@@ -15,7 +15,8 @@ the result matches published figures of healthy runs. Sources:
 Model (``d = engine − trainer``, nats): a broad part, Gaussian with a scale that grows with the token's surprise,
 ``σ0 · (1 + surprise)``, ``surprise = −engine logprob``, with σ0 fitted to the fraction (dense) or the mean
 (hybrid) above; and a rare tail on tokens both sides find unlikely (engine logprob < −3), ±LogUniform(1, max)
-nats, with its rate fitted so that a step of the benchmark's size reaches the published per-step max about once.
+nats (kept below −3 nats for the trainer too: both sides find such a token unlikely), with its rate fitted so that
+a step of the benchmark's size reaches the published per-step max about once. Non-finite logprobs stay as they are.
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def heavy_tail(rollouts: Rollouts, generator: torch.Generator, fitted: dict) -> 
     sign = torch.where(torch.rand(mask.shape, generator=generator) < 0.5, -1.0, 1.0)
     shift = torch.where(hit, sign * size, shift)
     trainer = (rollouts.trainer - shift).clamp(max=-1e-6)
-    return replace(rollouts, trainer=torch.where(mask, trainer, rollouts.trainer))
+    # a healthy tail token stays unlikely for both sides (the published large |Δ| sit on such tokens)
+    trainer = torch.where(hit, trainer.clamp(max=UNLIKELY), trainer)
+    keep = mask & torch.isfinite(rollouts.trainer) & torch.isfinite(rollouts.engine)
+    return replace(rollouts, trainer=torch.where(keep, trainer, rollouts.trainer))
 
 
 def describe(rollouts: Rollouts) -> dict:
@@ -116,6 +120,7 @@ def topk_high_entropy(rollouts: Rollouts, generator: torch.Generator) -> Rollout
     kept_mass = 0.15 + 0.25 * torch.rand(mask.shape, generator=generator)
     engine = (rollouts.engine - flatten - torch.log(kept_mass)).clamp(max=-0.01)
     trainer = rollouts.trainer - flatten
-    engine = torch.where(mask, engine, rollouts.engine)
-    trainer = torch.where(mask, trainer, rollouts.trainer)
+    keep = mask & torch.isfinite(rollouts.trainer) & torch.isfinite(rollouts.engine)
+    engine = torch.where(keep, engine, rollouts.engine)
+    trainer = torch.where(keep, trainer, rollouts.trainer)
     return replace(rollouts, engine=engine, trainer=trainer)

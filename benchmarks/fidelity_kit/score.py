@@ -11,6 +11,7 @@ from benchmarks.fidelity_kit.rollouts import Rollouts, cat
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
+from rollout_guard.verdict import rule_firings
 
 GOAL_RECALL = 0.999  # of corrupted rollouts
 GOAL_FALSE_RATE = 0.001  # false quarantines per clean rollout
@@ -127,10 +128,11 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     return judged
 
 
-def figures(judged: Judged, suspect: torch.Tensor | None = None) -> dict[str, dict]:
-    """Recall per fault and false quarantines of clean rows, with Wilson intervals and PASS/FAIL."""
-    _, verdict, labels, counted, tokens = judged.rows()
-    verdict = verdict if suspect is None else suspect
+def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
+    """Recall per fault and false quarantines of clean rows, with Wilson intervals and PASS/FAIL, and which rules
+    fired on the false quarantines and which would have caught the faults."""
+    samples, verdict, labels, counted, tokens = judged.rows()
+    firings = rule_firings(samples, config)
     out: dict[str, dict] = {}
     for name in sorted(set(labels)):
         rows = torch.tensor([label == name for label in labels]) & counted
@@ -141,9 +143,11 @@ def figures(judged: Judged, suspect: torch.Tensor | None = None) -> dict[str, di
             clean_tokens = int(tokens[rows].sum())
             out[name] = {"rows": total, "tokens": clean_tokens, "false": flagged, "false_rate": flagged / max(total, 1),
                          "ci": [low, high], "false_per_m_tokens": flagged / max(clean_tokens, 1) * 1e6,
-                         "pass": flagged / max(total, 1) <= GOAL_FALSE_RATE, "ci_pass": high <= GOAL_FALSE_RATE}
+                         "pass": flagged / max(total, 1) <= GOAL_FALSE_RATE, "ci_pass": high <= GOAL_FALSE_RATE,
+                         "rules": {rule: int((fired & rows).sum()) for rule, fired in firings.items() if (fired & rows).any()}}
         else:
             low, high = wilson(flagged, total)
             out[name] = {"rows": total, "caught": flagged, "recall": flagged / max(total, 1), "ci": [low, high],
-                         "pass": flagged / max(total, 1) >= GOAL_RECALL, "ci_pass": low >= GOAL_RECALL}
+                         "pass": flagged / max(total, 1) >= GOAL_RECALL, "ci_pass": low >= GOAL_RECALL,
+                         "rules": {rule: int((fired & rows).sum()) for rule, fired in firings.items() if (fired & rows).any()}}
     return out

@@ -1,0 +1,169 @@
+"""The direction-aware, self-calibrating detector: CUSUM, spike rule, calibration (borderline and clean cases)."""
+
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_guard.calibration import Calibration
+from rollout_guard.config import GuardConfig
+from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.guard import RolloutGuard
+from rollout_guard.statistics import COLUMN, NUM_ENGINE_BUCKETS, Thresholds, cusum_drawup, sample_statistics
+
+ONLY_DETECTOR = dict(spike_delta=None, mean_delta=None, confident_wrong_tokens=None, max_quarantine_share=None)
+
+
+def reference_cusum(increments: list[float]) -> float:
+    """The textbook recursion S_t = max(0, S_{t-1} + u_t), max over t."""
+    s = best = 0.0
+    for u in increments:
+        s = max(0.0, s + u)
+        best = max(best, s)
+    return best
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=1, max_size=40))
+def test_cusum_matches_the_recursion(values):
+    increments = torch.tensor([values])
+    drawup, start = cusum_drawup(increments, torch.ones_like(increments, dtype=torch.bool))
+    assert float(drawup) == pytest.approx(reference_cusum(values), abs=1e-3)
+    if float(drawup) > 1e-3:  # the rise that starts at `start` reaches the maximum
+        assert sum(values[int(start):]) <= float(drawup) + 1e-3
+        assert max(sum(values[int(start) : end]) for end in range(int(start) + 1, len(values) + 1)) == pytest.approx(
+            float(drawup), abs=1e-3)
+
+
+def test_cusum_skips_invalid_tokens():
+    increments = torch.tensor([[3.0, 100.0, 3.0]])
+    valid = torch.tensor([[True, False, True]])
+    assert cusum_drawup(increments, valid)[0].tolist() == [6.0]
+
+
+def rows(engine: list[list[float]], trainer: list[list[float]]) -> RolloutEvidence:
+    engine_t, trainer_t = torch.tensor(engine), torch.tensor(trainer)
+    return RolloutEvidence(mask=torch.ones_like(engine_t, dtype=torch.long), engine_logprobs=engine_t, trainer_logprobs=trainer_t)
+
+
+def stat(evidence: RolloutEvidence, name: str, config: GuardConfig | None = None) -> list[float]:
+    return sample_statistics(evidence, config or GuardConfig()).select(1, COLUMN[name]).tolist()
+
+
+def test_spike_only_where_one_side_finds_the_token_likely():
+    # a 10-nat gap on a token both sides find unlikely (healthy tail), on an engine-likely one, and reversed
+    engine = [[-8.0, -0.1], [-0.2, -0.1], [-12.0, -0.1]]
+    trainer = [[-18.0, -0.1], [-10.2, -0.1], [-2.0, -0.1]]
+    margin = stat(rows(engine, trainer), "spike_margin")
+    assert math.isclose(margin[0], 0.0 - 3.0, abs_tol=1e-5), "the tail token is no candidate; the equal token is"
+    assert margin[1] == pytest.approx(10.0 - 3.0) and margin[2] == pytest.approx(10.0 - 3.0)
+
+
+def test_spike_threshold_is_borderline_exact():
+    config = GuardConfig(**ONLY_DETECTOR)
+    below = RolloutGuard(config).inspect(rows([[-0.5, -0.1]], [[-3.49, -0.1]]), step=1)
+    above = RolloutGuard(config).inspect(rows([[-0.5, -0.1]], [[-3.51, -0.1]]), step=1)
+    assert below.suspect.tolist() == [False] and above.suspect.tolist() == [True]
+    assert above.metrics["rule/directional_spike"] == 1
+
+
+def late_onset(length: int, corrupt: int, gap: float) -> list[float]:
+    return [-0.1] * (length - corrupt) + [-0.1 - gap] * corrupt
+
+
+def test_drift_fires_on_late_onset_and_not_just_below():
+    config = GuardConfig(**ONLY_DETECTOR, spike_excess=None)
+    # before calibration: allowance 2.0 per token, clip 4 → each 2.9-nat token adds 0.9 nats; threshold 6
+    engine = [[-0.1] * 100, [-0.1] * 100]
+    trainer = [late_onset(100, 7, 2.9), late_onset(100, 6, 2.9)]  # 7 × 0.9 = 6.3 fires, 6 × 0.9 = 5.4 does not
+    report = RolloutGuard(config).inspect(rows(engine, trainer), step=1)
+    assert report.suspect.tolist() == [True, False]
+    assert report.column("drift_start").tolist() == [93, 94]
+
+
+def test_one_clipped_healthy_tail_token_never_fires_drift():
+    config = GuardConfig(**ONLY_DETECTOR, spike_excess=None, warmup_drift_allowance=0.0)
+    engine = [[-0.1] * 50]
+    trainer = [[-0.1] * 25 + [-18.0] + [-0.1] * 24]  # 17.9 nats on one token, clipped to 4
+    assert stat(rows(engine, trainer), "drift_cusum", config) == [pytest.approx(4.0)]
+    assert not RolloutGuard(config).inspect(rows(engine, trainer), step=1).suspect.any()
+
+
+def offset_batch(generator: torch.Generator, batch: int, length: int, offset: float, corrupt: list[int]) -> RolloutEvidence:
+    """Clean rows whose engine logprob is raised by a processed-logprob offset, plus corrupted rows."""
+    trainer = -0.3 - torch.rand(batch, length, generator=generator)
+    engine = trainer + offset + 0.05 * torch.randn(batch, length, generator=generator)
+    engine = engine.clamp(max=-0.01)
+    trainer = torch.where(engine == -0.01, engine - offset, trainer)
+    for row in corrupt:
+        trainer[row] = engine[row] - offset - 4.0  # 4 nats beyond the offset on every token
+    injected = torch.zeros(batch, dtype=torch.bool)
+    injected[corrupt] = True
+    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=trainer, injected=injected)
+
+
+def test_calibration_absorbs_a_systematic_offset_and_keeps_catching_corruption():
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(0)
+    uncalibrated = RolloutGuard(GuardConfig(**ONLY_DETECTOR, warmup_drift_allowance=0.5, calibration_warmup_tokens=10**9))
+    guard = RolloutGuard(config)
+    for step in range(1, 6):
+        evidence = offset_batch(generator, 32, 64, offset=1.5, corrupt=[3])
+        report = guard.inspect(evidence, step=step)
+        assert report.suspect.tolist() == evidence.injected.tolist(), f"step {step}"
+    centre = guard.calibration.thresholds().centre
+    assert guard.calibration.warm().any()
+    assert float(centre[guard.calibration.warm()].min()) == pytest.approx(1.5, abs=0.1)
+    # without calibration and with the calibrated allowance, the same offset flags every clean row
+    assert uncalibrated.inspect(offset_batch(generator, 32, 64, 1.5, []), step=1).suspect.all()
+
+
+def test_a_run_broken_from_step_one_does_not_teach_the_calibration_its_corruption():
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=500)
+    generator = torch.Generator().manual_seed(1)
+    guard = RolloutGuard(config)
+    for step in range(1, 4):
+        evidence = offset_batch(generator, 16, 64, offset=0.0, corrupt=list(range(8)))  # half the batch broken
+        assert guard.inspect(evidence, step=step).suspect.tolist() == evidence.injected.tolist()
+    assert float(guard.calibration.thresholds().centre.abs().max()) < 0.1
+    assert guard.calibration.rows == pytest.approx(8 * (1 + 0.95 + 0.95**2))
+
+
+def test_calibration_state_round_trip_and_identical_on_two_ranks():
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=500)
+    generator = torch.Generator().manual_seed(2)
+    evidence = [offset_batch(generator, 8, 32, 0.7, [1]), offset_batch(generator, 8, 32, 0.7, [])]
+    slots: list = [None, None]
+    barrier = threading.Barrier(2)
+
+    def gather_for(rank):
+        def gather(tensor):
+            slots[rank] = tensor
+            barrier.wait()
+            out = torch.cat(slots)
+            barrier.wait()
+            return out
+        return gather
+
+    guards = [RolloutGuard(config, gather=gather_for(rank), process_index=rank) for rank in range(2)]
+    threads = [threading.Thread(target=lambda r=rank: [guards[r].inspect(evidence[r], step=s) for s in (1, 2)]) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert torch.equal(guards[0].calibration.sums, guards[1].calibration.sums)
+    assert torch.equal(guards[0].calibration.centre, guards[1].calibration.centre)
+    restored = Calibration(config)
+    restored.load_state_dict(guards[0].calibration.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(restored.thresholds(), guards[0].calibration.thresholds(), strict=True))
+
+
+def test_fixed_thresholds_before_calibration():
+    thresholds = Thresholds.fixed(GuardConfig())
+    assert thresholds.centre.tolist() == [0.0] * NUM_ENGINE_BUCKETS
+    assert thresholds.allowance.tolist() == [2.0] * NUM_ENGINE_BUCKETS
+    assert thresholds.spike.tolist() == [3.0] * NUM_ENGINE_BUCKETS
