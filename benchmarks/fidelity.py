@@ -33,6 +33,7 @@ from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, cat, from_table, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
 from rollout_guard.config import GuardConfig  # noqa: E402
+from rollout_guard.statistics import COLUMN  # noqa: E402
 from rollout_guard.verdict import judge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,17 +111,24 @@ def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator) ->
 
 
 def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[str, list[float]]:
-    """Recall per fault and clean false rate, pooled over conditions, with the nat thresholds scaled."""
+    """Recall per fault and clean false rate, pooled over conditions, with every nat threshold scaled by a factor
+    (``token_spike``, ``mean_drift`` and ``drift`` thresholds × f; the spike floor of ``directional_spike`` moved
+    by (f − 1) × ``spike_excess``), re-judging the stored per-sample statistics."""
     samples = torch.cat([j.rows()[0] for j in judged_all])
     labels = [label for j in judged_all for label in j.rows()[2]]
     counted = torch.cat([j.rows()[3] for j in judged_all])
     curves: dict[str, list[float]] = {}
     names = sorted(set(labels))
     label_rows = {name: torch.tensor([label == name for label in labels]) & counted for name in names}
+    margin = COLUMN["spike_margin"]
     for factor in factors.tolist():
         scaled = replace(config, spike_delta=config.spike_delta * factor if config.spike_delta else None,
-                         mean_delta=config.mean_delta * factor if config.mean_delta else None)
-        suspect = judge(samples, scaled).suspect
+                         mean_delta=config.mean_delta * factor if config.mean_delta else None,
+                         drift_threshold=config.drift_threshold * factor if config.drift_threshold else None)
+        shifted = samples.clone()
+        if config.spike_excess is not None:
+            shifted[:, margin] -= (factor - 1.0) * config.spike_excess
+        suspect = judge(shifted, scaled).suspect
         for name in names:
             rows = label_rows[name]
             curves.setdefault(name, []).append(float((suspect & rows).sum()) / max(int(rows.sum()), 1))
@@ -225,7 +233,7 @@ def main(
     factors = torch.logspace(-1, 1, 21)
     curves = sweep(judged_all, config, factors)
     plot_sweep(curves, factors, out / f"sweep-{preset_name}.png",
-               f"preset {preset_name}: spike_delta and mean_delta scaled ×0.1…×10 (pooled over conditions)")
+               f"preset {preset_name}: every nat threshold scaled ×0.1…×10 (pooled over conditions)")
     print(table_md)
     print(f"overall: {'PASS' if all_pass else 'FAIL'} against recall ≥ {GOAL_RECALL:.1%} at ≤ {GOAL_FALSE_RATE:.1%} "
           f"false quarantines ({summary['seconds']} s)")
