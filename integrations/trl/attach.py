@@ -21,6 +21,7 @@ from rollout_guard.integrations.trl import checkpoint as checkpoint_state
 from rollout_guard.integrations.trl.batch import GroupSettings, check_advantage_replica, evidence_of, quarantine_batch, require
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
 from rollout_guard.integrations.trl.records import build_records
+from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
 from rollout_guard.integrations.trl.versions import version
 from rollout_guard.sinks import LocalFilesSink, Sink
 
@@ -49,6 +50,14 @@ class TrlGuard:
 
     def __init__(self, trainer: Any, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
                  keep_steps: bool = False) -> None:
+        if config is not None and not isinstance(config, GuardConfig):
+            raise GuardError(f"attach_guard(trainer, config={config!r}): config must be a GuardConfig, e.g. "
+                             f"attach_guard(trainer, GuardConfig(mode='monitor'))")
+        if sinks is not None and not (isinstance(sinks, (list, tuple)) and all(hasattr(s, "on_step") for s in sinks)):
+            raise GuardError(f"attach_guard(trainer, sinks={sinks!r}): sinks must be a list of sinks (objects with on_records, "
+                             "on_step and on_end), e.g. [LocalFilesSink(folder, config)], or None for the defaults")
+        if not isinstance(keep_steps, bool):
+            raise GuardError(f"attach_guard(trainer, keep_steps={keep_steps!r}): use True or False")
         if getattr(trainer, "_rollout_guard", None) is not None:
             raise GuardError("this trainer already has a rollout guard attached; call attach_guard(trainer) once")
         for attribute in ("_generate_and_score_completions", "_calculate_rewards", "_load_optimizer_and_scheduler",
@@ -74,7 +83,7 @@ class TrlGuard:
         self.output_dir = Path(self.config.output_dir or os.path.join(trainer.args.output_dir, "rollout_guard"))
         if sinks is None:
             sinks = default_sinks(trainer.args.report_to, self.config, self.output_dir) if self.is_main_process else []
-        self.sinks = sinks
+        self.sinks = list(sinks)
         self.last_report: StepReport | None = None
         self.last_evidence: RolloutEvidence | None = None  # what the latest step was judged on (this process)
         self.last_overhead_seconds = 0.0
@@ -105,6 +114,10 @@ class TrlGuard:
                 "rollout_guard: TRL does not compute trainer logprobs here (vllm_importance_sampling_correction=False); "
                 "the guard runs one extra no-grad forward pass per generation batch to get them.",
             )
+        if trainer.use_vllm or getattr(trainer, "rollout_func", None) is not None:
+            message = processed_logprobs_warning(trainer)
+            if message is not None:
+                self._say_once("processed-logprobs", message)
 
     # -- wrapped trainer methods ------------------------------------------------------------------------------
 

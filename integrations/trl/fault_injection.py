@@ -20,6 +20,10 @@ class StaleContextInjector:
     """
 
     def __init__(self, trainer: Any, rate: float, seed: int = 0) -> None:
+        if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0.0 <= rate <= 1.0):
+            raise GuardError(f"inject_stale_context(rate={rate!r}): use a probability in [0, 1], e.g. rate=0.01")
+        if not (isinstance(seed, int) and not isinstance(seed, bool)):
+            raise GuardError(f"inject_stale_context(seed={seed!r}): use a whole number")
         if not getattr(trainer, "use_vllm", False):
             raise GuardError("fault injection corrupts vLLM rollouts: set use_vllm=True in GRPOConfig")
         self.trainer = trainer
