@@ -65,3 +65,24 @@ def test_rotation_starts_a_new_file_past_the_size_cap(tmp_path):
     again.close()
     assert again.path.name == "quarantine-00003.jsonl"
     assert [r.step for r in read_records(tmp_path)] == [0, 1, 2, 3]
+
+
+def test_records_with_nan_anywhere_are_stored_as_null(tmp_path):
+    """TRL turns a reward function's None into NaN; every float of a record, at any depth, must still store."""
+    nan, inf = float("nan"), float("inf")
+    odd = record(5)
+    odd.reward, odd.rewards_per_func = nan, {"copy": nan, "length": 0.5}
+    odd.advantage_before, odd.advantage_after = nan, -inf
+    odd.sampling = {"temperature": 1.0, "top_p": inf}
+    odd.extra = {"nested": [nan, 1.0, {"deep": -inf}], "pair": (nan, 2.0)}
+    odd.stats = {"max_abs_delta": inf, "tokens": 3.0}
+    store = QuarantineStore(tmp_path)
+    assert store.append([odd, record(6)]) == 2
+    store.close()
+    back = list(read_records(tmp_path))
+    assert [r.step for r in back] == [5, 6]
+    assert back[0].reward is None and back[0].rewards_per_func == {"copy": None, "length": 0.5}
+    assert back[0].advantage_before is None and back[0].advantage_after is None
+    assert back[0].sampling["top_p"] is None and back[0].extra == {"nested": [None, 1.0, {"deep": None}], "pair": [None, 2.0]}
+    assert back[0].stats == {"max_abs_delta": None, "tokens": 3.0}
+    assert back[1].reward == 0.25 and back[1].rewards_per_func == {"copy": 0.25}  # finite values untouched

@@ -70,7 +70,7 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
                 completion_tokens=[tokenizer.decode([token], skip_special_tokens=False) for token in completion],
                 engine_logprobs=engine[position][token_mask].tolist() if engine is not None else None,
                 trainer_logprobs=trainer_lp[position][token_mask].tolist() if trainer_lp is not None else None,
-                reward=float((reward_row * weights).nansum()) if reward_row is not None else None,
+                reward=None if reward_row is None or bool(reward_row.isnan().all()) else float((reward_row * weights).nansum()),
                 rewards_per_func=dict(zip(names, reward_row.tolist(), strict=False)) if reward_row is not None else {},
                 advantage_before=float(before[position]), advantage_after=float(after[position]),
                 sampling=sampling, model=str(model), engine=engine_info,
