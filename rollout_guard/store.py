@@ -51,6 +51,41 @@ def _cut_torn_tail(path: Path) -> int:
     return size - keep
 
 
+def fsync_directory(directory: str | Path) -> None:
+    """Make a file created, renamed or removed in ``directory`` durable (its entry lives in the directory)."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_records_after(directory: str | Path, step: int) -> int:
+    """Remove the records of steps after ``step`` from a store folder (a run resumed from the checkpoint of
+    ``step`` writes them again); each changed file is rewritten durably. Returns how many records were dropped."""
+    dropped = 0
+    for path in store_files(directory):
+        kept, removed = [], 0
+        for line in path.read_bytes().split(b"\n"):
+            try:
+                late = int(json.loads(line)["step"]) > step
+            except (ValueError, TypeError, KeyError):
+                late = False  # blank, torn or unreadable lines stay as they are
+            removed += late
+            if not late:
+                kept.append(line)
+        if removed:
+            partial = path.with_name(path.name + ".partial")
+            with partial.open("wb") as handle:
+                handle.write(b"\n".join(kept))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, path)
+            fsync_directory(path.parent)
+            dropped += removed
+    return dropped
+
+
 class QuarantineStore:
     """Writer. ``max_file_bytes``: bytes; a new file starts once the current one reaches it (default 256 MiB)."""
 
@@ -71,7 +106,10 @@ class QuarantineStore:
 
     def _descriptor(self) -> int:
         if self._fd is None:
+            created = not self.path.exists()
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if created:  # the new file's directory entry must survive a crash too
+                fsync_directory(self.directory)
         return self._fd
 
     def append(self, records: Iterable[QuarantineRecord]) -> int:

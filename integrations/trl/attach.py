@@ -235,12 +235,24 @@ class TrlGuard:
 
     # -- checkpoints -----------------------------------------------------------------------------------------
 
-    def save_state(self, checkpoint_dir: str | Path) -> Path:
+    def save_state(self, checkpoint_dir: str | Path, global_step: int | None = None) -> Path:
         """Write the guard's running state (totals, history, alert baselines) next to a TRL checkpoint."""
-        return checkpoint_state.save_state(self.guard, checkpoint_dir)
+        return checkpoint_state.save_state(self.guard, checkpoint_dir, global_step)
 
     def load_state(self, checkpoint_dir: str | Path) -> bool:
-        return checkpoint_state.load_state(self.guard, checkpoint_dir)
+        """Restore the guard's state from a TRL checkpoint; the local files drop what the run wrote after that
+        checkpoint (those steps run again), so a resumed run has one line per step."""
+        state = checkpoint_state.load_state(self.guard, checkpoint_dir)
+        if state is None:
+            return False
+        step = checkpoint_state.saved_step(state)
+        for sink in self.sinks if self.is_main_process else []:
+            if hasattr(sink, "on_resume"):
+                try:
+                    sink.on_resume(step, self.guard)
+                except Exception as error:
+                    self._failure(f"{type(sink).__name__}.on_resume", error)
+        return True
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -266,7 +278,7 @@ class _GuardCallback(TrainerCallback):
         if args.should_save:
             checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             if checkpoint.is_dir():
-                self.guarded.save_state(checkpoint)
+                self.guarded.save_state(checkpoint, state.global_step)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
