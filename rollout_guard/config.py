@@ -12,6 +12,7 @@ order of magnitude above clean bf16 noise and an order of magnitude below those 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 
 from rollout_guard.errors import GuardConfigError
@@ -20,7 +21,8 @@ MODES = ("monitor", "quarantine")
 ON_CEILING = ("stop", "alert")
 
 
-def _number(value: object) -> bool:
+def _is_number(value: object) -> bool:
+    """A real number, not a bool (``True`` is an ``int`` to Python, never a threshold here)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -166,7 +168,7 @@ class GuardConfig:
             raise GuardConfigError("mode", self.mode, f"use one of {MODES}")
         for name in ("spike_delta", "mean_delta"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
                 raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
         for name in ("confident_wrong_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens"):
             value = getattr(self, name)
@@ -174,35 +176,42 @@ class GuardConfig:
                 raise GuardConfigError(name, value, "use a whole number of tokens ≥ 1, or None to turn the rule off")
         for name in ("confident_logprob", "doubtful_logprob"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value <= 0):
-                raise GuardConfigError(name, value, "use a log-probability in nats (≤ 0), e.g. math.log(0.5)")
+            if not (_is_number(value) and math.isfinite(value) and value < 0):
+                raise GuardConfigError(name, value, "use a finite log-probability in nats below 0, e.g. math.log(0.5)")
+        if self.doubtful_logprob >= self.confident_logprob:
+            raise GuardConfigError("doubtful_logprob", self.doubtful_logprob,
+                                   f"use a value below confident_logprob={self.confident_logprob:g} (a token cannot be both)")
         for name in ("spike_excess", "drift_threshold"):
             value = getattr(self, name)
-            if value is not None and not (_number(value) and value > 0 and math.isfinite(value)):
+            if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
                 raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
         for name in ("drift_allowance", "warmup_drift_allowance"):
             value = getattr(self, name)
-            if not (_number(value) and 0 <= value < math.inf):
+            if not (_is_number(value) and 0 <= value < math.inf):
                 raise GuardConfigError(name, value, "use a finite number of nats per token ≥ 0")
-        if not (_number(self.spike_min_engine_logprob) and -math.inf < self.spike_min_engine_logprob <= 0):
+        if not (_is_number(self.spike_min_engine_logprob) and -math.inf < self.spike_min_engine_logprob <= 0):
             raise GuardConfigError("spike_min_engine_logprob", self.spike_min_engine_logprob,
                                    "use a finite log-probability in nats (≤ 0), e.g. math.log(0.05)")
-        if not (_number(self.false_alarm_budget) and 0 < self.false_alarm_budget < 1000):
+        if not (_is_number(self.false_alarm_budget) and 0 < self.false_alarm_budget < 1000):
             raise GuardConfigError("false_alarm_budget", self.false_alarm_budget,
                                    "use expected false firings per 1,000 clean samples, in (0, 1000)")
         if not (isinstance(self.calibration_warmup_tokens, int) and not isinstance(self.calibration_warmup_tokens, bool)
                 and self.calibration_warmup_tokens >= 1):
             raise GuardConfigError("calibration_warmup_tokens", self.calibration_warmup_tokens, "use a whole number of tokens ≥ 1")
-        if not (_number(self.calibration_decay) and 0 < self.calibration_decay <= 1):
+        if not (_is_number(self.calibration_decay) and 0 < self.calibration_decay <= 1):
             raise GuardConfigError("calibration_decay", self.calibration_decay, "use a factor in (0, 1]; 1 never forgets")
-        if not (isinstance(self.divergence_delta, (int, float)) and self.divergence_delta > 0):
-            raise GuardConfigError("divergence_delta", self.divergence_delta, "use a positive number of nats")
+        if not (_is_number(self.divergence_delta) and self.divergence_delta > 0 and math.isfinite(self.divergence_delta)):
+            raise GuardConfigError("divergence_delta", self.divergence_delta, "use a positive finite number of nats")
+        if not isinstance(self.compute_trainer_logprobs, bool):
+            raise GuardConfigError("compute_trainer_logprobs", self.compute_trainer_logprobs, "use True or False")
+        if self.output_dir is not None and not isinstance(self.output_dir, (str, os.PathLike)):
+            raise GuardConfigError("output_dir", self.output_dir, "use a folder path (str or pathlib.Path), or None")
         for name in ("chart_every_steps", "image_every_steps", "spike_image_min_gap_steps", "alert_baseline_steps", "alert_cooldown_steps"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise GuardConfigError(name, value, "use a whole number of steps ≥ 1")
         if self.max_quarantine_share is not None and not (
-            isinstance(self.max_quarantine_share, (int, float)) and 0.0 < self.max_quarantine_share <= 1.0
+            _is_number(self.max_quarantine_share) and 0.0 < self.max_quarantine_share <= 1.0
         ):
             raise GuardConfigError("max_quarantine_share", self.max_quarantine_share, "use a share in (0, 1], or None to turn the breaker off")
         if not (isinstance(self.ceiling_steps, int) and not isinstance(self.ceiling_steps, bool) and self.ceiling_steps >= 1):
@@ -211,9 +220,9 @@ class GuardConfig:
             raise GuardConfigError("on_ceiling", self.on_ceiling, f"use one of {ON_CEILING}")
         if not isinstance(self.strict, bool):
             raise GuardConfigError("strict", self.strict, "use True or False")
-        if not (isinstance(self.alert_jump, (int, float)) and self.alert_jump >= 1.0):
+        if not (_is_number(self.alert_jump) and math.isfinite(self.alert_jump) and self.alert_jump >= 1.0):
             raise GuardConfigError("alert_jump", self.alert_jump, "use a factor ≥ 1 (3.0 alerts at three times the baseline)")
-        if not (isinstance(self.alert_min_share, (int, float)) and 0.0 <= self.alert_min_share <= 1.0):
+        if not (_is_number(self.alert_min_share) and 0.0 <= self.alert_min_share <= 1.0):
             raise GuardConfigError("alert_min_share", self.alert_min_share, "use a share between 0 and 1")
 
     @property

@@ -9,13 +9,16 @@ from typing import Any
 SCHEMA_VERSION = 1
 
 
-def _nan_to_none(values: list[float]) -> list[float | None]:
-    return [None if (value is None or not math.isfinite(value)) else value for value in values]
-
-
-def json_safe(values: dict[str, Any]) -> dict[str, Any]:
-    """NaN and ±inf floats become None (JSON has no NaN)."""
-    return {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in values.items()}
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN and ±inf float, at any depth of dicts, lists and tuples, replaced by None (JSON has
+    no NaN; a reward function that returns None gives TRL a NaN reward)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 @dataclass
@@ -54,12 +57,7 @@ class QuarantineRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["stats"] = json_safe(self.stats)
-        for key in ("engine_logprobs", "trainer_logprobs"):
-            if data[key] is not None:
-                data[key] = _nan_to_none(data[key])
-        return data
+        return json_safe(asdict(self))
 
     @classmethod
     def from_json_dict(cls, data: dict[str, Any]) -> QuarantineRecord:

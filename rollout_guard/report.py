@@ -6,6 +6,7 @@ import base64
 import html
 import json
 import math
+import warnings
 from pathlib import Path
 
 from rollout_guard.charts import delta_heatmap, spike_chart, token_chart
@@ -26,15 +27,20 @@ def resolve_run_dir(path: str | Path) -> Path:
     )
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, problems: list[str] | None = None) -> list[dict]:
+    """The JSON lines of a file; a line that does not parse (torn by an interrupted run, corrupted on disk) is
+    skipped and described in ``problems``."""
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line from an interrupted run
+        except ValueError as error:
+            if problems is not None:
+                problems.append(f"{path}:{number}: not JSON ({str(error)[:120]})")
     return rows
 
 
@@ -58,9 +64,14 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
     """Write ``report.html`` (and its PNGs under ``report/``) for a guard output folder; returns the HTML path."""
     run_dir = resolve_run_dir(run_dir)
     # a run resumed from a checkpoint re-runs the steps after it: the last line of each step wins
-    metrics = sorted({row["step"]: row for row in _read_jsonl(run_dir / "metrics.jsonl")}.values(), key=lambda row: row["step"])
-    alerts = _read_jsonl(run_dir / "alerts.jsonl")
-    records: list[QuarantineRecord] = list(read_records(run_dir / "quarantine"))
+    problems: list[str] = []  # lines skipped because they could not be read
+    metrics = sorted({row["step"]: row for row in _read_jsonl(run_dir / "metrics.jsonl", problems)
+                      if isinstance(row, dict) and "step" in row}.values(), key=lambda row: row["step"])
+    alerts = [row for row in _read_jsonl(run_dir / "alerts.jsonl", problems) if isinstance(row, dict)]
+    records: list[QuarantineRecord] = list(read_records(run_dir / "quarantine", problems))
+    if problems:
+        warnings.warn(f"{run_dir}: skipped {len(problems)} unreadable line(s): " + "; ".join(problems[:5])
+                      + (" …" if len(problems) > 5 else ""), stacklevel=2)
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     figures = run_dir / "report"
     history = [
@@ -76,6 +87,9 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         if histograms and len(histograms) == len(metrics):
             heatmap = delta_heatmap([row["step"] for row in metrics], histograms, DELTA_BIN_EDGES.tolist(), figures / "histogram.png")
             sections.append(f"<h2>Token |Δ| histogram per step</h2>{_img(heatmap, 'histogram heatmap')}")
+    if problems:
+        items = "".join(f"<li>{html.escape(problem)}</li>" for problem in problems)
+        sections.append(f"<h2>Unreadable lines skipped ({len(problems)})</h2><ul>{items}</ul>")
     if alerts:
         items = "".join(f"<li><b>step {a['step']}</b>: {html.escape(a['title'])}<br><small>{html.escape(a['text'])}</small></li>" for a in alerts)
         sections.append(f"<h2>Alerts ({len(alerts)})</h2><ul>{items}</ul>")
@@ -108,6 +122,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         "quarantined": int(sum(row.get("quarantined") or 0 for row in metrics)),
         "alerts": len(alerts),
         "records in store": len(records),
+        "unreadable lines skipped": len(problems),
     }
     summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>" for k, v in summary.items())
     config_html = html.escape(json.dumps(config, indent=1))

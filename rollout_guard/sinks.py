@@ -16,7 +16,7 @@ from rollout_guard.charts import spike_chart
 from rollout_guard.config import GuardConfig
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord, json_safe
-from rollout_guard.store import QuarantineStore
+from rollout_guard.store import QuarantineStore, drop_records_after
 
 
 class Sink(Protocol):
@@ -33,6 +33,13 @@ class Sink(Protocol):
 def finite_metrics(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
     """The finite numbers of a metrics dict, keys prefixed (what trackers can plot)."""
     return {f"{prefix}{key}": value for key, value in metrics.items() if isinstance(value, (int, float)) and math.isfinite(value)}
+
+
+def _step_after(line: bytes, step: int) -> bool:
+    try:
+        return int(json.loads(line)["step"]) > step
+    except (ValueError, TypeError, KeyError):
+        return False
 
 
 class LocalFilesSink:
@@ -62,6 +69,17 @@ class LocalFilesSink:
 
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         self.store.append(records)
+
+    def on_resume(self, step: int, guard: RolloutGuard) -> None:
+        """Training resumed from the checkpoint of ``step``: drop what this folder holds about later steps (they
+        run again), so that every step has one metrics line and one set of records."""
+        for path in (self.metrics_path, self.alerts_path):
+            if path.is_file():
+                lines = path.read_bytes().splitlines(keepends=True)
+                kept = [line for line in lines if not _step_after(line, step)]
+                if len(kept) != len(lines):
+                    path.write_bytes(b"".join(kept))
+        drop_records_after(self.store.directory, step)
 
     def on_end(self, guard: RolloutGuard) -> None:
         self.draw_chart(guard)

@@ -20,6 +20,26 @@ from rollout_guard.errors import GuardConfigError
         ("confident_logprob", 0.3),
         ("divergence_delta", 0.0),
         ("chart_every_steps", 0),
+        # issue 9 point 9: wrong order, −inf thresholds, True for a number
+        ("doubtful_logprob", -0.1),  # above confident_logprob (ln 0.5): a token would be both confident and doubtful
+        ("doubtful_logprob", float("-inf")),
+        ("confident_logprob", float("-inf")),
+        ("spike_delta", True),
+        ("mean_delta", True),
+        ("max_quarantine_share", True),
+        ("alert_jump", True),
+        ("alert_min_share", True),
+        ("divergence_delta", True),
+        # issue 9 point 13: accepted today, wrong
+        ("confident_logprob", 0),  # only p = 1 is confident: the rule could never fire
+        ("confident_logprob", 0.0),
+        ("doubtful_logprob", 0.0),
+        ("divergence_delta", float("inf")),
+        ("divergence_delta", float("nan")),
+        ("output_dir", 123),
+        ("compute_trainer_logprobs", "no"),
+        ("compute_trainer_logprobs", 0),
+        ("alert_jump", float("inf")),
     ],
 )
 def test_invalid_values_name_the_field_and_the_fix(field, value):
@@ -41,3 +61,19 @@ def test_every_field_is_documented_with_a_unit_and_default():
         start = source.index(f"    {field.name}:")
         doc = source[start : source.index('"""', source.index('"""', start) + 3)]
         assert "Default" in doc, field.name
+
+
+def test_borderline_values_are_accepted():
+    import math
+    from pathlib import Path
+
+    GuardConfig(confident_logprob=-1e-9, doubtful_logprob=-1e-6)  # just below zero, doubtful just below confident
+    GuardConfig(doubtful_logprob=math.log(0.5) - 1e-9)
+    GuardConfig(output_dir=Path("somewhere"), spike_delta=1, max_quarantine_share=1, alert_jump=1)
+    GuardConfig(compute_trainer_logprobs=False, divergence_delta=1e-9)
+
+
+def test_equal_confident_and_doubtful_thresholds_are_rejected():
+    with pytest.raises(GuardConfigError) as error:
+        GuardConfig(confident_logprob=-1.0, doubtful_logprob=-1.0)
+    assert error.value.field == "doubtful_logprob" and "confident_logprob=-1" in str(error.value)

@@ -55,3 +55,19 @@ def test_cli_report_and_a_clear_error_for_a_wrong_folder(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr and "output_dir" in missing.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["quarantined"] == 1
+
+
+def test_report_skips_corrupt_lines_and_says_where(tmp_path):
+    fill_run(tmp_path)
+    store = tmp_path / "quarantine" / "quarantine-00000.jsonl"
+    good = store.read_text()
+    store.write_text("garbage{\n" + good + "\x00\x00\n")  # corrupted lines before and after the record
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write("{not json\n")
+    done = subprocess.run([sys.executable, "-m", "rollout_guard.cli", "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "skipped 3 unreadable line(s)" in done.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert "<th>unreadable lines skipped</th><td>3</td>" in page and "<th>records in store</th><td>1</td>" in page
+    assert "quarantine-00000.jsonl:1: not a quarantine record" in page and "quarantine-00000.jsonl:3:" in page
+    assert "metrics.jsonl:6: not JSON" in page

@@ -45,12 +45,24 @@ def test_reader_skips_a_torn_last_line_and_writer_cuts_it(tmp_path):
     assert [r.step for r in read_records(tmp_path)] == [1, 3]
 
 
-def test_a_corrupt_middle_line_is_an_error_naming_file_and_line(tmp_path):
+def test_corrupt_middle_lines_are_skipped_counted_and_located(tmp_path):
     path = tmp_path / "quarantine-00000.jsonl"
     good = json.dumps(record(1).to_json_dict())
-    path.write_text(good + "\nnot json\n" + good + "\n")
-    with pytest.raises(ValueError, match="quarantine-00000.jsonl:2"):
-        list(read_records(tmp_path))
+    path.write_bytes((good + "\nnot json\n" + good + "\n\xff\xfe{\n" + json.dumps({"step": 3}) + "\n" + good + "\n").encode("latin-1"))
+    problems: list[str] = []
+    assert [r.step for r in read_records(tmp_path, problems)] == [1, 1, 1]
+    assert [p.split(": ")[0] for p in problems] == [f"{path}:2", f"{path}:4", f"{path}:5"]
+    assert "lacks" in problems[2]  # a JSON object that is not a record
+    with pytest.warns(UserWarning, match=r"skipped 3 unreadable line\(s\) \(line 2, 4, 5\)"):
+        assert len(list(read_records(path))) == 3  # one file given directly
+
+
+def test_a_clean_store_reports_no_problem(tmp_path):
+    store = QuarantineStore(tmp_path)
+    store.append([record(1)])
+    store.close()
+    problems: list[str] = []
+    assert len(list(read_records(tmp_path, problems))) == 1 and problems == []
 
 
 def test_rotation_starts_a_new_file_past_the_size_cap(tmp_path):
@@ -65,3 +77,24 @@ def test_rotation_starts_a_new_file_past_the_size_cap(tmp_path):
     again.close()
     assert again.path.name == "quarantine-00003.jsonl"
     assert [r.step for r in read_records(tmp_path)] == [0, 1, 2, 3]
+
+
+def test_records_with_nan_anywhere_are_stored_as_null(tmp_path):
+    """TRL turns a reward function's None into NaN; every float of a record, at any depth, must still store."""
+    nan, inf = float("nan"), float("inf")
+    odd = record(5)
+    odd.reward, odd.rewards_per_func = nan, {"copy": nan, "length": 0.5}
+    odd.advantage_before, odd.advantage_after = nan, -inf
+    odd.sampling = {"temperature": 1.0, "top_p": inf}
+    odd.extra = {"nested": [nan, 1.0, {"deep": -inf}], "pair": (nan, 2.0)}
+    odd.stats = {"max_abs_delta": inf, "tokens": 3.0}
+    store = QuarantineStore(tmp_path)
+    assert store.append([odd, record(6)]) == 2
+    store.close()
+    back = list(read_records(tmp_path))
+    assert [r.step for r in back] == [5, 6]
+    assert back[0].reward is None and back[0].rewards_per_func == {"copy": None, "length": 0.5}
+    assert back[0].advantage_before is None and back[0].advantage_after is None
+    assert back[0].sampling["top_p"] is None and back[0].extra == {"nested": [None, 1.0, {"deep": None}], "pair": [None, 2.0]}
+    assert back[0].stats == {"max_abs_delta": None, "tokens": 3.0}
+    assert back[1].reward == 0.25 and back[1].rewards_per_func == {"copy": 0.25}  # finite values untouched

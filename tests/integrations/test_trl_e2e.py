@@ -21,8 +21,8 @@ SCENARIO_SCRIPT = Path(__file__).with_name("grpo_scenario.py")
 
 
 def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4, extra: tuple[str, ...] = (),
-                 processes: int = 1) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp(name)
+                 processes: int = 1, out: Path | None = None) -> tuple[dict, str]:
+    out = out or tmp_path_factory.mktemp(name)
     log_path = out / "scenario.log"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(out), "TRACKIO_DIR": str(out / "trackio"), "WANDB_SILENT": "true"}
     # `accelerate launch --cpu` starts a single process; `--multi_gpu` starts torch.distributed's launcher, and
@@ -203,7 +203,19 @@ def test_resume_restores_the_guard_state_from_the_checkpoint(tmp_path_factory, t
     saved = json.loads((checkpoint / "rollout_guard_state.json").read_text())
     assert saved["totals"]["steps"] == 2 and [row["step"] for row in saved["totals"]["history"]] == [1, 2]
     assert (first["out"] / "trainer" / "checkpoint-4" / "rollout_guard_state.json").is_file()
-    resumed, _ = run_scenario("colocate", tmp_path_factory, tiny_model_dir, steps=4, extra=("--resume-from", str(checkpoint)))
+    guard_dir = Path(first["guard_dir"])
+    first_records = [(r.step, r.global_row) for r in read_records(guard_dir / "quarantine")]
+    assert {step for step, _ in first_records} & {3, 4}, "the first run wrote records after the checkpoint"
+    # resumed into the same folders, as a crashed job is restarted
+    resumed, _ = run_scenario("colocate", tmp_path_factory, tiny_model_dir, steps=4, extra=("--resume-from", str(checkpoint)),
+                              out=first["out"])
+    assert resumed["guard_dir"] == first["guard_dir"]
+    # one metrics line and one set of records per step: what the first run wrote after the checkpoint is replaced
+    steps = [json.loads(line)["step"] for line in (guard_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    records = [(r.step, r.global_row) for r in read_records(guard_dir / "quarantine")]
+    assert len(records) == len(set(records)) and [r for r in records if r[0] <= 2] == [r for r in first_records if r[0] <= 2]
+    assert sum(1 for step, _ in records if step > 2) == sum(int(r["metrics"]["suspect"]) for r in resumed["reports"])
     state = resumed["guard_state"]
     assert [row["step"] for row in state["totals"]["history"]] == [1, 2, 3, 4]
     assert state["totals"]["history"][:2] == saved["totals"]["history"]

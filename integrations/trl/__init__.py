@@ -1,0 +1,45 @@
+"""TRL adapter: one line guards an existing ``GRPOTrainer``.
+
+    trainer = GRPOTrainer(...)
+    attach_guard(trainer)          # <- the one line
+    trainer.train()
+
+TRL gives callbacks neither the batch nor the trainer, so a pure ``TrainerCallback`` cannot act before the
+loss. ``attach_guard`` wraps three methods of this trainer instance (no subclassing, nothing global) and adds
+one callback:
+
+* ``_generate_and_score_completions``: after TRL builds the batch (engine logprobs from vLLM, its own trainer
+  logprobs, rewards, advantages, loss normaliser), the guard judges every sample and, in quarantine mode,
+  zeroes the loss mask of suspect samples, recomputes their groups' advantages without them and corrects
+  ``num_items_in_batch``. Runs in training mode only; evaluation batches pass through.
+* ``_calculate_rewards``: only records the (all-process) reward matrix the advantages are computed from.
+* ``_load_optimizer_and_scheduler``: where TRL itself restores its own extra state on resume; the guard
+  restores its running state from the same checkpoint folder.
+* the callback saves that state with every checkpoint (``on_save``), stops training when the circuit breaker
+  trips (``on_step_end``) and closes the sinks (``on_train_end``).
+
+Trainer logprobs: TRL computes them whenever vLLM importance-sampling correction is on (its default), and the
+guard reuses them: no extra forward pass. Otherwise the guard runs one no-grad forward pass over the
+generation batch (``GuardConfig.compute_trainer_logprobs``), or, if that is off, checks confidence only.
+
+One concern per module:
+
+``attach``: ``attach_guard`` and ``TrlGuard``, the wrapped methods and the callback (attach and lifecycle).
+``batch``: pure transforms of TRL's batch (evidence in it, the quarantine action) and the advantage replica check.
+``records``: evidence records of suspect samples. ``checkpoint``: the guard's state next to TRL checkpoints.
+``fault_injection``: stale-context corruption of vLLM rollouts. ``capture``: host copies of each step, for tests.
+``versions``: installed TRL/vLLM/transformers versions.
+"""
+
+from rollout_guard.integrations.trl.attach import TRL_METRIC_KEYS, TrlGuard, attach_guard, default_sinks
+from rollout_guard.integrations.trl.batch import GroupSettings, check_advantage_replica, evidence_of, loss_mask_of, quarantine_batch, require
+from rollout_guard.integrations.trl.capture import GuardedStep, host_tensors
+from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state
+from rollout_guard.integrations.trl.fault_injection import StaleContextInjector, inject_stale_context
+from rollout_guard.integrations.trl.records import build_records
+
+__all__ = [
+    "STATE_FILE", "TRL_METRIC_KEYS", "GroupSettings", "GuardedStep", "StaleContextInjector", "TrlGuard", "attach_guard",
+    "build_records", "check_advantage_replica", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
+    "load_state", "loss_mask_of", "quarantine_batch", "require", "save_state",
+]
