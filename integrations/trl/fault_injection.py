@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from rollout_guard.errors import GuardError
-from rollout_guard.injection import choose_rows, plan_injection
+from rollout_guard.injection import ContextPool, choose_rows, plan_injection
 
 
 class StaleContextInjector:
@@ -15,7 +15,9 @@ class StaleContextInjector:
 
     Wraps this trainer's vLLM generation: for each selected row, the engine generates (and reports logprobs for)
     the completion from a *foreign* context — the prompt of another request — while TRL attributes it to the
-    row's true prompt. Every row is sent as its own request (``n=1``), in colocate and server mode alike.
+    row's true prompt: the prompt of another group in the batch, or, when the batch is one group (TRL's defaults),
+    a prompt from an earlier step (:class:`rollout_guard.injection.ContextPool`). Every row is sent as its own
+    request (``n=1``), in colocate and server mode alike.
     ``last_selected`` holds the rows corrupted in the latest generation call (ground truth for scoring).
     """
 
@@ -31,6 +33,7 @@ class StaleContextInjector:
         self.generator = torch.Generator().manual_seed(seed * 1000 + trainer.accelerator.process_index)
         self.last_selected: torch.Tensor | None = None
         self.total_injected = 0
+        self.pool = ContextPool(seed=seed * 1000 + trainer.accelerator.process_index)
         generation = trainer.vllm_generation
         self._original_generate = generation.generate
         generation.generate = self._generate
@@ -38,7 +41,7 @@ class StaleContextInjector:
 
     def _generate(self, prompts, images=None, num_generations=1, profiler=None):  # noqa: ANN001
         selected = choose_rows(len(prompts), self.rate, self.generator)
-        plan = plan_injection(prompts, selected, group_size=num_generations)
+        plan = plan_injection(prompts, selected, group_size=num_generations, pool=self.pool)
         self.last_selected = plan.selected
         self.total_injected += int(plan.selected.sum())
         prompt_ids, completion_ids, logprobs, logprob_token_ids = self._original_generate(

@@ -138,6 +138,19 @@ def test_colocate_logs_step_metrics_and_writes_evidence(colocate):
         assert record.engine["name"] == "vllm" and record.engine["mode"] == "colocate"
 
 
+def test_injection_in_a_single_group_batch_writes_real_text_from_another_prompt(tmp_path_factory, tiny_model_dir):
+    """With TRL's default layout (one group per generation batch) release 0.1 fell back to the reversed prompt
+    and every corrupted completion was a lone EOS; now the foreign context is a prompt of an earlier step."""
+    result, _ = run_scenario("single_group", tmp_path_factory, tiny_model_dir, steps=6)
+    lengths = []
+    for raw, injected, report in zip(result["raw"], result["injected"], result["reports"], strict=True):
+        assert raw["completion_mask"].shape[0] == result["num_generations"], "one group per generation batch"
+        lengths += raw["completion_mask"][injected].sum(dim=1).tolist()
+        assert torch.equal(report["suspect"], injected)
+    assert len(lengths) >= 4
+    assert sum(length >= 3 for length in lengths) >= 0.75 * len(lengths), f"corrupted completion lengths {lengths}"
+
+
 def test_monitor_mode_reports_but_changes_nothing(tmp_path_factory, tiny_model_dir):
     result, _ = run_scenario("monitor", tmp_path_factory, tiny_model_dir)
     assert sum(int(i.sum()) for i in result["injected"]) >= 3
