@@ -64,7 +64,8 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
 
 def summarise(evidence: RolloutEvidence, config: GuardConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, and the |Δ| histogram of the compared tokens,
-    (NUM_DELTA_BINS,) float32, from one pass over the token tensors; both stay on the evidence's device."""
+    (NUM_DELTA_BINS,) int64 counts (exact at any size), from one pass over the token tensors; both stay on the
+    evidence's device."""
     evidence = _at_least_one_column(evidence)
     valid = evidence.mask.bool()
     batch = valid.shape[0]
@@ -105,8 +106,8 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig) -> tuple[torch.Ten
     }
     samples = torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
     bins = torch.bucketize(abs_delta, DELTA_BIN_EDGES.to(device=valid.device, dtype=abs_delta.dtype), right=True) - 1
-    histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.float32, device=valid.device)
-    histogram.scatter_add_(0, bins.flatten(), both.flatten().float())  # no boolean indexing: no host sync
+    histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.int64, device=valid.device)
+    histogram.scatter_add_(0, bins.flatten(), both.flatten().long())  # no boolean indexing: no host sync
     return samples, histogram
 
 
@@ -116,7 +117,7 @@ def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.T
 
 
 def delta_histogram(evidence: RolloutEvidence, config: GuardConfig | None = None) -> torch.Tensor:
-    """(NUM_DELTA_BINS,) float32 counts of compared tokens' |Δ| over DELTA_BIN_EDGES."""
+    """(NUM_DELTA_BINS,) int64 counts of compared tokens' |Δ| over DELTA_BIN_EDGES."""
     return summarise(evidence, config or GuardConfig())[1]
 
 
