@@ -5,14 +5,14 @@ trl or vllm); framework adapters live in ``rollout_guard.integrations``.
 """
 
 from rollout_guard.config import GuardConfig
-from rollout_guard.errors import GuardConfigError, GuardError, GuardInputError
+from rollout_guard.errors import CircuitBreakerTripped, GuardConfigError, GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.store import QuarantineStore, read_records
 
 __all__ = [
-    "GuardConfig", "GuardConfigError", "GuardError", "GuardInputError", "QuarantineRecord", "QuarantineStore",
+    "CircuitBreakerTripped", "GuardConfig", "GuardConfigError", "GuardError", "GuardInputError", "QuarantineRecord", "QuarantineStore",
     "RolloutEvidence", "RolloutGuard", "StepReport", "read_records",
 ]
 __version__ = "0.1.0"

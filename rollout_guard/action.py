@@ -18,6 +18,16 @@ def mask_quarantined(mask: torch.Tensor, quarantined: torch.Tensor) -> torch.Ten
     return mask * (~quarantined.bool()).unsqueeze(-1).to(mask.dtype)
 
 
+def fill_rows(values: torch.Tensor, rows: torch.Tensor, fill: float) -> torch.Tensor:
+    """``values`` (B, …) with every selected row (``rows``: (B,) bool) set to ``fill``; dtype and device kept.
+
+    >>> fill_rows(torch.tensor([[float("nan"), -1.0], [-0.5, -2.0]]), torch.tensor([True, False]), 0.0)
+    tensor([[ 0.0000,  0.0000],
+            [-0.5000, -2.0000]])
+    """
+    return values.masked_fill(rows.bool().view(-1, *([1] * (values.dim() - 1))), fill)
+
+
 def loss_token_count(tokens_per_sample: torch.Tensor, quarantined: torch.Tensor) -> torch.Tensor:
     """Loss normaliser after quarantine: loss tokens of the samples that stay (summed over all processes when
     given the gathered per-sample counts)."""

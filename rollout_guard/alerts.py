@@ -15,7 +15,7 @@ from rollout_guard.config import GuardConfig
 
 @dataclass(frozen=True)
 class Alert:
-    kind: str  # "quarantine_rate" | "max_abs_delta" | "circuit_breaker"
+    kind: str  # "quarantine_rate" | "max_abs_delta" | "circuit_breaker" | "advantage_replica"
     level: str  # "WARN" | "ERROR"
     step: int
     value: float
@@ -81,11 +81,15 @@ class AlertMonitor:
 
     def circuit_breaker(self, step: int, share: float, ceiling: float, title: str, text: str, throttle: bool) -> Alert | None:
         """An error-level alert for a tripped circuit breaker; ``throttle`` applies the cooldown."""
-        if throttle and not self._cooled_down("circuit_breaker", step):
+        return self.error("circuit_breaker", step, share, ceiling, title, text, throttle)
+
+    def error(self, kind: str, step: int, value: float, baseline: float, title: str, text: str, throttle: bool = True) -> Alert | None:
+        """An error-level alert of ``kind`` (e.g. ``"advantage_replica"``); ``throttle`` applies the cooldown."""
+        if throttle and not self._cooled_down(kind, step):
             return None
-        self.last_alert_step["circuit_breaker"] = step
+        self.last_alert_step[kind] = step
         self.sent += 1
-        return Alert("circuit_breaker", "ERROR", step, share, ceiling, title, text)
+        return Alert(kind, "ERROR", step, value, baseline, title, text)
 
     def state_dict(self) -> dict:
         return {

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from rollout_guard.errors import GuardConfigError
 
 MODES = ("monitor", "quarantine")
-ON_CEILING = ("stop", "alert")
+ON_CEILING = ("stop", "raise", "alert")
 
 
 def _is_number(value: object) -> bool:
@@ -148,14 +148,17 @@ class GuardConfig:
     max_quarantine_share: float | None = 0.5
     """share of a step's rollouts (0–1). Circuit breaker: when more than this share of a step's rollouts is
     suspect for ``ceiling_steps`` steps in a row, the engine is broken rather than one sample, and the guard
-    acts as ``on_ceiling`` says. Default 0.5."""
+    acts as ``on_ceiling`` says (in monitor mode it only alerts). Default 0.5."""
 
     ceiling_steps: int = 1
     """steps. Consecutive steps above ``max_quarantine_share`` before the circuit breaker trips. Default 1."""
 
     on_ceiling: str = "stop"
-    """``"stop"``: end training cleanly after the current step, with a message saying why. ``"alert"``: send an
-    error-level alert (at most once per ``alert_cooldown_steps``) and go on. Default ``"stop"``."""
+    """``"stop"``: end training cleanly after the current step, with a message saying why (``trainer.train()``
+    returns normally: check ``summary.json["stopped"]``). ``"raise"``: raise ``CircuitBreakerTripped`` (a
+    ``GuardError``) from ``trainer.train()`` once the guard's records and summary are written, so a script or
+    pipeline cannot mistake the stop for success. ``"alert"``: send an error-level alert (at most once per
+    ``alert_cooldown_steps``) and go on. In monitor mode the breaker always only alerts. Default ``"stop"``."""
 
     strict: bool = False
     """``True``: any failure inside the guard raises and stops training. ``False``: a failure is logged and

@@ -21,3 +21,8 @@ class GuardInputError(GuardError, ValueError):
     def __init__(self, field: str, problem: str, fix: str) -> None:
         self.field = field
         super().__init__(f"rollout_guard input '{field}': {problem}. Fix: {fix}.")
+
+
+class CircuitBreakerTripped(GuardError):
+    """Raised from ``trainer.train()`` with ``GuardConfig(on_ceiling="raise")`` when too many rollouts of a step
+    were suspect (the engine is broken); the guard's records and summary are written first."""

@@ -50,17 +50,18 @@ class StepReport:
     """What the guard concluded about one batch. Host tensors cover the global batch (all processes)."""
 
     step: int
-    samples: torch.Tensor  # (N, len(SAMPLE_COLUMNS)) host
+    samples: torch.Tensor  # (N, len(SAMPLE_COLUMNS)) float64 host
     suspect: torch.Tensor  # (N,) bool host
     reasons: torch.Tensor  # (N,) int32 host, bitmask over verdict.RULES
     quarantined: torch.Tensor  # (N,) bool host: suspect in quarantine mode, all False in monitor mode
-    delta_histogram: torch.Tensor  # (NUM_DELTA_BINS,) host, global
+    delta_histogram: torch.Tensor  # (NUM_DELTA_BINS,) int64 host, global
     local_rows: slice  # this process's rows within the global batch
     local_quarantined: torch.Tensor  # (B,) bool on the guard's device
     metrics: dict[str, float] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)
     skipped: bool = False  # the guard failed on some rank this step; the batch passes through unguarded
-    stop_training: str | None = None  # the circuit breaker's reason to stop, when it trips with on_ceiling="stop"
+    stop_training: str | None = None  # the circuit breaker's reason to stop (quarantine mode, on_ceiling "stop"/"raise")
+    check_failed_on: list[int] = field(default_factory=list)  # ranks whose adapter check failed (see inspect)
 
     @property
     def any_quarantined(self) -> bool:
@@ -127,9 +128,13 @@ class RolloutGuard:
         self.calibration = Calibration(self.config)
         self.last_guard_seconds = 0.0
 
-    def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None) -> StepReport:
+    def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
+                check_failed: torch.Tensor | bool = False) -> StepReport:
         """Judge one batch. ``evidence`` may instead be the exception raised while collecting it on this rank;
-        ``batch_size`` (rows on this rank) lets a failing rank still join the collective with the right shape."""
+        ``batch_size`` (rows on this rank) lets a failing rank still join the collective with the right shape.
+        ``check_failed``: this rank's verdict on a check of the caller's own (a bool, or a 0-dim device tensor so
+        that it costs no host sync), carried in the one gather: ``report.check_failed_on`` lists the ranks where it
+        failed, the same on every rank, so that all of them act on it together."""
         started = time.perf_counter()
         width = len(SAMPLE_COLUMNS)
         error: BaseException | None = evidence if isinstance(evidence, BaseException) else None
@@ -144,7 +149,8 @@ class RolloutGuard:
                 # The verdict is a pure function of a sample's row and the (rank-identical) calibration, so this
                 # rank can tell already which of its samples will be kept: only those feed the calibration.
                 kept = ~judge(local, self.config).suspect
-                calibration = (contribution * kept.view(-1, 1, 1).float()).sum(dim=0).flatten()
+                exact = torch.float32 if contribution.device.type == "mps" else torch.float64  # MPS has no float64
+                calibration = (contribution.to(exact) * kept.view(-1, 1, 1)).sum(dim=0).flatten()
                 kept_rows = kept.sum().view(1).float()
             except Exception as caught:  # noqa: BLE001 - must still join the collective below
                 error = caught
@@ -157,30 +163,42 @@ class RolloutGuard:
             kept_rows = torch.zeros(1, device=self.device)
         status = STATUS_OK if error is None else (STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE)
         batch = local.shape[0]
-        packet = torch.cat([torch.tensor([status], device=local.device), local.flatten().float(), histogram.float(),
-                            calibration.to(local.device).float(), kept_rows.to(local.device)])
+        # float64: counts stay exact to 2^53 (float32 loses whole tokens above 2^24); MPS has no float64
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        head = torch.tensor([status, 0.0], dtype=dtype, device=local.device)
+        head[1:] = torch.as_tensor(check_failed).to(device=local.device, dtype=dtype).reshape(1)
+        packet = torch.cat([head, local.flatten().to(dtype), histogram.to(dtype), calibration.to(local.device, dtype),
+                            kept_rows.to(local.device, dtype)])
         gathered = self.gather(packet.to(self.device)).view(-1, packet.numel())  # the one collective
-        statuses = gathered[:, 0]
-        if (statuses != STATUS_OK).any():
-            return self._failed_step(step, batch, statuses, error, started)
         try:
-            return self._judge(step, batch, gathered[:, 1:], started)
+            return self._judge(step, batch, gathered, error, started)
         except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
-            return self._failed_step(step, batch, statuses, caught, started)
+            return self._failed_step(step, batch, gathered[:, 0].cpu(), caught, started)
 
-    def _judge(self, step: int, batch: int, gathered: torch.Tensor, started: float) -> StepReport:
+    def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
         width = len(SAMPLE_COLUMNS)
-        samples = gathered[:, : batch * width].reshape(-1, width)
-        global_histogram = gathered[:, batch * width : batch * width + NUM_DELTA_BINS].sum(dim=0)
-        calibration = gathered[:, batch * width + NUM_DELTA_BINS :].sum(dim=0)  # kept contributions, then kept rows
-        verdict = judge(samples, self.config)
+        world = gathered.shape[0]
+        samples = gathered[:, 2 : 2 + batch * width].reshape(-1, width)
+        global_histogram = gathered[:, 2 + batch * width : 2 + batch * width + NUM_DELTA_BINS].sum(dim=0)
+        calibration = gathered[:, 2 + batch * width + NUM_DELTA_BINS :].sum(dim=0)  # kept contributions, then kept rows
+        verdict = judge(samples, self.config)  # also on a failed rank's zeros: harmless, and no host sync first
         quarantined = verdict.suspect if self.config.quarantines else torch.zeros_like(verdict.suspect)
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
 
-        host = torch.cat([samples.flatten(), global_histogram, calibration, verdict.reasons.float()]).cpu()  # the one host sync
-        samples_host = host[: samples.numel()].view_as(samples)
-        calibration_host = host[samples.numel() + NUM_DELTA_BINS : samples.numel() + NUM_DELTA_BINS + CALIBRATION_SIZE + 1]
-        reasons_host = host[samples.numel() + NUM_DELTA_BINS + CALIBRATION_SIZE + 1 :].to(torch.int32)
+        # the one host sync: statuses, check flags, statistics, histogram, calibration and verdict in one copy
+        host = torch.cat([gathered[:, :2].flatten(), samples.flatten(), global_histogram, calibration,
+                          verdict.reasons.to(samples.dtype)]).cpu()
+        heads = host[: 2 * world].view(world, 2)
+        if (heads[:, 0] != STATUS_OK).any():
+            return self._failed_step(step, batch, heads[:, 0], error, started)
+        offset = 2 * world
+        samples_host = host[offset : offset + samples.numel()].view(samples.shape)
+        offset += samples.numel()
+        histogram_host = host[offset : offset + NUM_DELTA_BINS].to(torch.int64)
+        offset += NUM_DELTA_BINS
+        calibration_host = host[offset : offset + CALIBRATION_SIZE + 1]
+        offset += CALIBRATION_SIZE + 1
+        reasons_host = host[offset:].to(torch.int32)
         suspect_host = reasons_host != 0
         report = StepReport(
             step=step,
@@ -188,9 +206,10 @@ class RolloutGuard:
             suspect=suspect_host,
             reasons=reasons_host,
             quarantined=suspect_host if self.config.quarantines else torch.zeros_like(suspect_host),
-            delta_histogram=host[samples.numel() : samples.numel() + NUM_DELTA_BINS],
+            delta_histogram=histogram_host,
             local_rows=local_rows,
             local_quarantined=quarantined[local_rows],
+            check_failed_on=[rank for rank, flag in enumerate(heads[:, 1].tolist()) if flag],
         )
         report.metrics = self._step_metrics(report)
         self.calibration.update(calibration_host[:-1].view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH), float(calibration_host[-1]))
@@ -216,9 +235,9 @@ class RolloutGuard:
         world = max(len(statuses), 1)
         empty = torch.zeros(world * batch, dtype=torch.bool)
         report = StepReport(
-            step=step, samples=torch.full((world * batch, len(SAMPLE_COLUMNS)), math.nan), suspect=empty,
+            step=step, samples=torch.full((world * batch, len(SAMPLE_COLUMNS)), math.nan, dtype=torch.float64), suspect=empty,
             reasons=torch.zeros(world * batch, dtype=torch.int32), quarantined=empty,
-            delta_histogram=torch.zeros(NUM_DELTA_BINS), local_rows=slice(self.process_index * batch, (self.process_index + 1) * batch),
+            delta_histogram=torch.zeros(NUM_DELTA_BINS, dtype=torch.int64), local_rows=slice(self.process_index * batch, (self.process_index + 1) * batch),
             local_quarantined=torch.zeros(batch, dtype=torch.bool, device=self.device), skipped=True,
         )
         self.last_guard_seconds = time.perf_counter() - started
@@ -239,13 +258,15 @@ class RolloutGuard:
             f"{config.max_quarantine_share:g} for {totals.steps_above_ceiling} step(s) in a row: the engine itself looks broken "
             f"(max |Δ| {report.metrics['max_abs_delta']:.3g} nats), not one sample"
         )
-        if config.on_ceiling == "stop":
+        if config.on_ceiling in ("stop", "raise") and config.quarantines:  # monitor mode never stops training
             report.stop_training = (f"rollout_guard stopped training: {reason}. Check the engine (weight sync, cache state, "
                                     "version) before resuming; the quarantine store holds the evidence.")
             totals.stopped = report.stop_training
             alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
                                                 f"rollout_guard stopped training at step {report.step}", report.stop_training, throttle=False)
         else:
+            if not config.quarantines:
+                reason += "; monitor mode: training goes on"
             alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
                                                 f"rollout_guard: engine looks broken at step {report.step}", reason, throttle=True)
         if alert is not None:

@@ -73,6 +73,12 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         warnings.warn(f"{run_dir}: skipped {len(problems)} unreadable line(s): " + "; ".join(problems[:5])
                       + (" …" if len(problems) > 5 else ""), stacklevel=2)
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    try:
+        stopped = json.loads((run_dir / "summary.json").read_text()).get("stopped")
+    except (OSError, ValueError, AttributeError):
+        stopped = None
+    if stopped:
+        warnings.warn(f"{run_dir}: TRAINING WAS STOPPED by the circuit breaker: {stopped}", stacklevel=2)
     figures = run_dir / "report"
     history = [
         {key: _nan(row.get(key)) if key != "step" else row["step"] for key in
@@ -126,11 +132,14 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
     }
     summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>" for k, v in summary.items())
     config_html = html.escape(json.dumps(config, indent=1))
+    stopped_html = (f'<p class="stopped"><b>TRAINING WAS STOPPED by the circuit breaker</b> (the run did not finish as '
+                    f'planned): {html.escape(str(stopped))}</p>' if stopped else "")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout_guard report</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} img{{max-width:100%;display:block;margin:8px 0}}
 table{{border-collapse:collapse;font-size:13px}} td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}}
-td{{font-family:monospace;white-space:pre-wrap;max-width:420px}}</style></head><body>
-<h1>rollout_guard report</h1><p>{html.escape(str(run_dir))}</p><table>{summary_html}</table>
+td{{font-family:monospace;white-space:pre-wrap;max-width:420px}}
+.stopped{{background:#fde0dc;border:2px solid #d62728;padding:10px;font-size:16px}}</style></head><body>
+<h1>rollout_guard report</h1><p>{html.escape(str(run_dir))}</p>{stopped_html}<table>{summary_html}</table>
 {''.join(sections)}<h2>Configuration</h2><pre>{config_html}</pre></body></html>"""
     output = Path(output) if output is not None else run_dir / "report.html"
     output.write_text(page)

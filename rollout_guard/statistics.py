@@ -135,10 +135,10 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
 def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, the |Δ| histogram of the compared tokens,
-    (NUM_DELTA_BINS,) float32, and each sample's calibration contribution, (B, NUM_ENGINE_BUCKETS,
-    CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), excess histogram per bucket), from one pass over the token
-    tensors; all stay on the evidence's device. ``thresholds``: the calibrated detector thresholds (default:
-    :meth:`Thresholds.fixed`)."""
+    (NUM_DELTA_BINS,) int64 counts (exact at any size), and each sample's calibration contribution,
+    (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), spike candidates and their |x|
+    histogram per bucket), from one pass over the token tensors; all stay on the evidence's device.
+    ``thresholds``: the calibrated detector thresholds (default: :meth:`Thresholds.fixed`)."""
     evidence = _at_least_one_column(evidence)
     thresholds = thresholds if thresholds is not None else Thresholds.fixed(config, evidence.device)
     valid = evidence.mask.bool()
@@ -193,8 +193,8 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
     }
     samples = torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
     bins = torch.bucketize(abs_delta, DELTA_BIN_EDGES.to(device=valid.device, dtype=abs_delta.dtype), right=True) - 1
-    histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.float32, device=valid.device)
-    histogram.scatter_add_(0, bins.flatten(), both.flatten().float())  # no boolean indexing: no host sync
+    histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.int64, device=valid.device)
+    histogram.scatter_add_(0, bins.flatten(), both.flatten().long())  # no boolean indexing: no host sync
     return samples, histogram, contribution
 
 
@@ -230,7 +230,7 @@ def sample_statistics(evidence: RolloutEvidence, config: GuardConfig) -> torch.T
 
 
 def delta_histogram(evidence: RolloutEvidence, config: GuardConfig | None = None) -> torch.Tensor:
-    """(NUM_DELTA_BINS,) float32 counts of compared tokens' |Δ| over DELTA_BIN_EDGES."""
+    """(NUM_DELTA_BINS,) int64 counts of compared tokens' |Δ| over DELTA_BIN_EDGES."""
     return summarise(evidence, config or GuardConfig())[1]
 
 

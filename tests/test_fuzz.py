@@ -18,7 +18,7 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
-from rollout_guard.integrations.trl import GroupSettings, evidence_of, quarantine_batch
+from rollout_guard.integrations.trl import NEUTRAL_FILL, GroupSettings, evidence_of, quarantine_batch
 from rollout_guard.statistics import COLUMN
 from rollout_guard.verdict import RULE_BIT
 
@@ -110,6 +110,7 @@ def test_quarantine_batch_keeps_the_loss_consistent():
         batch = {
             "completion_mask": mask, "sampling_per_token_logps": case["engine"], "old_per_token_logps": case["trainer"],
             "advantages": torch.zeros(mask.shape[0]), "num_items_in_batch": mask.sum(),
+            "ref_per_token_logps": case["trainer"].flip(0), "importance_sampling_ratio": case["trainer"].exp().sum(-1, keepdim=True),
         }
         report = RolloutGuard(GuardConfig(mode=case["mode"])).inspect(evidence_of(batch), step=1, batch_size=mask.shape[0])
         settings_ = GroupSettings(torch.ones(case["rewards"].shape[1]), case["group_size"], case["scale"], case["aggregation"])
@@ -121,6 +122,9 @@ def test_quarantine_batch_keeps_the_loss_consistent():
         assert out["num_items_in_batch"].dtype == batch["num_items_in_batch"].dtype
         assert torch.isfinite(out["advantages"]).all()
         assert (out["advantages"][q] == 0).all()
+        for key, fill in NEUTRAL_FILL.items():  # nothing non-finite left where the loss computes before masking
+            if out.get(key) is not None:
+                assert (out[key][q] == fill).all() and torch.equal(out[key][~q].nan_to_num(7.0), batch[key][~q].nan_to_num(7.0))
         if mask.shape[0]:
             fully_quarantined = q.view(-1, case["group_size"]).all(dim=1).repeat_interleave(case["group_size"])
             assert (out["advantages"][fully_quarantined] == 0).all()

@@ -130,3 +130,86 @@ def test_circuit_breaker_stops_or_alerts_as_configured():
     assert breaker_steps == [1, 11], "error alerts, throttled by the cooldown, and training goes on"
     calm = RolloutGuard(GuardConfig(max_quarantine_share=0.5))
     assert calm.inspect(batch(0, [0]), step=1).stop_training is None  # 25 % is under the ceiling
+
+
+def test_monitor_mode_breaker_alerts_and_training_goes_on():
+    """Issue 9 point 2: the circuit breaker's defaults (max_quarantine_share=0.5, on_ceiling="stop") must not stop
+    a monitor-mode run; it sends its error alert (throttled) instead."""
+    for on_ceiling in ("stop", "raise", "alert"):
+        guard = RolloutGuard(GuardConfig(mode="monitor", on_ceiling=on_ceiling, alert_cooldown_steps=10))
+        reports = [guard.inspect(batch(s, [0, 1, 2]), step=s) for s in range(1, 13)]
+        assert all(r.stop_training is None for r in reports) and "stopped" not in guard.summary()
+        breaker_steps = [r.step for r in reports if any(a.kind == "circuit_breaker" for a in r.alerts)]
+        assert breaker_steps == [1, 11], on_ceiling
+        assert "monitor mode: training goes on" in next(a for a in reports[0].alerts if a.kind == "circuit_breaker").text
+    quarantining = RolloutGuard(GuardConfig(on_ceiling="raise"))  # the same batch in quarantine mode does stop
+    assert quarantining.inspect(batch(1, [0, 1, 2]), step=1).stop_training
+
+
+def test_a_check_flag_from_one_rank_reaches_every_rank():
+    """Issue 9 point 4: a caller's per-step check (the TRL adapter's advantage replica) travels in the one gather."""
+    for flags, expected in (((False, True), [1]), ((False, False), []), ((True, True), [0, 1])):
+        group = ThreadGroup(2)
+        guards = [RolloutGuard(GuardConfig(), gather=group.gather_for(rank), process_index=rank) for rank in range(2)]
+        reports = [None, None]
+
+        def run(rank: int, flags=flags, guards=guards, reports=reports) -> None:
+            flag = torch.tensor(flags[rank]) if rank == 0 else flags[rank]  # a device tensor or a bool
+            reports[rank] = guards[rank].inspect(batch(rank, [1]), step=1, batch_size=4, check_failed=flag)
+
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert group.calls == [1, 1]
+        assert [r.check_failed_on for r in reports] == [expected, expected]
+        assert not any(r.skipped for r in reports)
+
+
+def test_counts_stay_exact_above_float32_precision():
+    """Issue 9 point 8: 3 ranks × 5,592,407 compared tokens = 16,777,221 tokens in one histogram bin and in the
+    token count, one more than float32 can hold exactly (2^24 + 5 rounds to 2^24 + 4)."""
+    tokens = 5_592_407
+    evidence = RolloutEvidence(mask=torch.ones(1, tokens, dtype=torch.bool), engine_logprobs=torch.zeros(1, tokens),
+                               trainer_logprobs=torch.zeros(1, tokens))
+    report = RolloutGuard(GuardConfig(), gather=lambda packet: torch.cat([packet, packet, packet])).inspect(evidence, step=1, batch_size=1)
+    assert float(torch.tensor(3 * tokens, dtype=torch.float32)) != 3 * tokens  # the premise
+    assert report.delta_histogram.dtype == torch.int64 and int(report.delta_histogram[0]) == 3 * tokens
+    assert report.metrics["tokens"] == report.metrics["compared_tokens"] == 3 * tokens
+    from rollout_guard.action import loss_token_count
+
+    assert int(loss_token_count(report.column("tokens"), report.quarantined)) == 3 * tokens
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that plays an accelerator tensor: whatever is computed from it stays "on the device", and every
+    way of bringing its values to the host (``.cpu()``, ``.item()``, ``.tolist()``, ``bool()``, ``float()``…) counts
+    as one host sync. Stands in for ``torch.cuda.set_sync_debug_mode`` on a machine without a GPU."""
+
+    syncs: list[str] = []
+    _TO_HOST = {"cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__array__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in cls._TO_HOST:  # (``.to(device)`` stays on the device: the guard moves to the host with .cpu())
+            cls.syncs.append(name)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+                return out.as_subclass(torch.Tensor).clone() if isinstance(out, torch.Tensor) else out  # a host copy
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_one_host_sync_per_step():
+    """Issue 9 point 6: a guarded step brings values to the host once (the design), not once to check the
+    statuses and once more for the statistics."""
+    evidence = batch(3, [1])
+    on_device = RolloutEvidence(mask=evidence.mask.as_subclass(OnDevice), engine_logprobs=evidence.engine_logprobs.as_subclass(OnDevice),
+                                trainer_logprobs=evidence.trainer_logprobs.as_subclass(OnDevice))
+    for mode in ("quarantine", "monitor"):
+        guard = RolloutGuard(GuardConfig(mode=mode))
+        OnDevice.syncs = []
+        report = guard.inspect(on_device, step=1, batch_size=4, check_failed=torch.tensor(False).as_subclass(OnDevice))
+        assert OnDevice.syncs == ["cpu"], OnDevice.syncs
+        assert report.suspect.tolist() == [False, True, False, False] and type(report.samples) is torch.Tensor

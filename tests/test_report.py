@@ -71,3 +71,24 @@ def test_report_skips_corrupt_lines_and_says_where(tmp_path):
     assert "<th>unreadable lines skipped</th><td>3</td>" in page and "<th>records in store</th><td>1</td>" in page
     assert "quarantine-00000.jsonl:1: not a quarantine record" in page and "quarantine-00000.jsonl:3:" in page
     assert "metrics.jsonl:6: not JSON" in page
+
+
+def test_a_stopped_run_says_so_in_the_report(tmp_path):
+    """Issue 9 point 12: a circuit-breaker stop must not look like success in `rollout-guard report`."""
+    config = GuardConfig(max_quarantine_share=0.5)
+    guard, sink = RolloutGuard(config), LocalFilesSink(tmp_path, config)
+    trainer = torch.full((4, 3), -12.0)
+    report = guard.inspect(RolloutEvidence(mask=torch.ones(4, 3, dtype=torch.long), engine_logprobs=torch.full((4, 3), -0.1),
+                                           trainer_logprobs=trainer), step=1)
+    assert report.stop_training
+    sink.on_step(report, guard)
+    sink.on_end(guard)
+    done = subprocess.run([sys.executable, "-m", "rollout_guard.cli", "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "TRAINING WAS STOPPED by the circuit breaker" in done.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert '<p class="stopped"><b>TRAINING WAS STOPPED by the circuit breaker</b>' in page and "max_quarantine_share=0.5" in page
+
+
+def test_a_run_that_finished_has_no_stop_banner(tmp_path):
+    fill_run(tmp_path)
+    assert 'class="stopped"' not in build_report(tmp_path).read_text()

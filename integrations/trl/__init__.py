@@ -26,13 +26,16 @@ One concern per module:
 
 ``attach``: ``attach_guard`` and ``TrlGuard``, the wrapped methods and the callback (attach and lifecycle).
 ``batch``: pure transforms of TRL's batch (evidence in it, the quarantine action) and the advantage replica check.
+``sampling``: what the engine's processed logprobs mean under the trainer's sampling settings.
 ``records``: evidence records of suspect samples. ``checkpoint``: the guard's state next to TRL checkpoints.
 ``fault_injection``: stale-context corruption of vLLM rollouts. ``capture``: host copies of each step, for tests.
 ``versions``: installed TRL/vLLM/transformers versions.
 """
 
 from rollout_guard.integrations.trl.attach import TRL_METRIC_KEYS, TrlGuard, attach_guard, default_sinks
-from rollout_guard.integrations.trl.batch import GroupSettings, check_advantage_replica, evidence_of, loss_mask_of, quarantine_batch, require
+from rollout_guard.integrations.trl.batch import (
+    NEUTRAL_FILL, GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs, require,
+)
 from rollout_guard.integrations.trl.capture import GuardedStep, host_tensors
 from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state
 from rollout_guard.integrations.trl.fault_injection import StaleContextInjector, inject_stale_context
@@ -40,6 +43,6 @@ from rollout_guard.integrations.trl.records import build_records
 
 __all__ = [
     "STATE_FILE", "TRL_METRIC_KEYS", "GroupSettings", "GuardedStep", "StaleContextInjector", "TrlGuard", "attach_guard",
-    "build_records", "check_advantage_replica", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
-    "load_state", "loss_mask_of", "quarantine_batch", "require", "save_state",
+    "NEUTRAL_FILL", "build_records", "check_action_inputs", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
+    "load_state", "loss_mask_of", "quarantine_batch", "replica_differs", "require", "save_state",
 ]

@@ -14,11 +14,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rollout_guard.config import GuardConfig
-from rollout_guard.errors import GuardConfigError, GuardError
+from rollout_guard.errors import CircuitBreakerTripped, GuardConfigError, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.integrations.trl import checkpoint as checkpoint_state
-from rollout_guard.integrations.trl.batch import GroupSettings, check_advantage_replica, evidence_of, quarantine_batch, require
+from rollout_guard.integrations.trl.batch import (
+    GroupSettings, check_action_inputs, evidence_of, quarantine_batch, replica_differs, replica_mismatch_message, require,
+)
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
 from rollout_guard.integrations.trl.records import build_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
@@ -92,7 +94,7 @@ class TrlGuard:
         self.steps: list[GuardedStep] = []
         self._rewards_per_func: torch.Tensor | None = None
         self._said: set[str] = set()
-        self._advantage_check_done = False
+        self._closed = False
 
         self._original_generate_and_score = trainer._generate_and_score_completions
         self._original_calculate_rewards = trainer._calculate_rewards
@@ -111,7 +113,7 @@ class TrlGuard:
         elif not has_trainer_logprobs and self.config.compute_trainer_logprobs:
             self._say_once(
                 "extra-forward",
-                "rollout_guard: TRL does not compute trainer logprobs here (vllm_importance_sampling_correction=False); "
+                "rollout_guard: TRL does not compute trainer logprobs here (no vLLM importance-sampling correction); "
                 "the guard runs one extra no-grad forward pass per generation batch to get them.",
             )
         if trainer.use_vllm or getattr(trainer, "rollout_func", None) is not None:
@@ -159,40 +161,69 @@ class TrlGuard:
         return evidence_of(batch, trainer_logprobs, injector.last_selected if injector is not None else None)
 
     def guard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Judge TRL's batch and, in quarantine mode, return the batch the loss sees. Symmetric across processes:
+        whatever could fail on one process only (collecting evidence, checking what the action needs, the replica
+        of TRL's advantages) happens before the step's one gather and travels in it, so that every process skips,
+        raises or acts together; after the gather the action is arithmetic on checked inputs."""
         trainer = self.trainer
+        rewards = self._rewards_per_func
+        replica_failed: torch.Tensor | bool = False
         try:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch)
+            if self.config.quarantines:
+                check_action_inputs(batch, rewards, self.local_rows(), self.settings)
+            if rewards is not None:
+                replica_failed = replica_differs(batch, rewards, self.settings, self._local_slice())
         except Exception as error:  # noqa: BLE001 - still join the collective inside inspect
             evidence = error
         self.last_evidence = evidence if isinstance(evidence, RolloutEvidence) else None
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
-        report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows())
+        report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
+                                    check_failed=replica_failed)
         self.last_report = report
         guarded = batch
         if not report.skipped:
-            rewards = self._rewards_per_func
-            if not self._advantage_check_done and rewards is not None:  # first step only; a mismatch always raises
-                self._advantage_check_done = True
-                check_advantage_replica(batch, report, rewards, self.settings)
-            try:
-                if report.any_quarantined:
-                    if rewards is None:
-                        raise GuardError("TRL's _calculate_rewards was not called in this generation step; this TRL "
-                                         "version is not supported by rollout_guard")
+            if report.check_failed_on:
+                self._replica_mismatch(report)  # raises on every process in quarantine mode
+            if report.any_quarantined:
+                try:
                     guarded = quarantine_batch(batch, report, rewards, self.settings)
-            except Exception as error:
-                self._failure("acting on the verdict", error)
-                guarded = batch
+                except Exception as error:  # checked inputs, identical verdict: no process may go on alone
+                    raise GuardError(f"rollout_guard could not quarantine the samples of step {report.step} after "
+                                     f"checking its inputs ({type(error).__name__}: {error}); stopping rather than "
+                                     "training this process unguarded") from error
             if report.metrics["suspect"] > 0:
                 self._publish_records(guarded, report, evidence, rewards, batch.get("advantages"))
-        if report.stop_training:
-            self.stop_reason = report.stop_training
-            logger.error(report.stop_training)
         for key in TRL_METRIC_KEYS:
             if key in report.metrics:
                 trainer._metrics["train"][f"rollout_guard/{key}"].append(report.metrics[key])
         self._to_sinks("on_step", report, self.guard)
+        if report.stop_training:
+            self._stop(report)
         return guarded
+
+    def _local_slice(self) -> slice:
+        rows = self.local_rows()
+        return slice(self.guard.process_index * rows, (self.guard.process_index + 1) * rows)
+
+    def _replica_mismatch(self, report: StepReport) -> None:
+        message = replica_mismatch_message(report.check_failed_on, report.step)
+        if self.config.quarantines:
+            raise GuardError(message)
+        alert = self.guard.alerts.error("advantage_replica", report.step, float(len(report.check_failed_on)), 0.0,
+                                        f"rollout_guard: TRL's advantages differ from the guard's replica at step {report.step}",
+                                        message + "; monitor mode: training goes on")
+        if alert is not None:
+            report.alerts.append(alert)
+        self._say_once("replica-monitor", f"rollout_guard: {message}; monitor mode: training goes on")
+
+    def _stop(self, report: StepReport) -> None:
+        """The circuit breaker tripped (quarantine mode): stop after this step, or raise once everything is written."""
+        self.stop_reason = report.stop_training
+        logger.error(report.stop_training)
+        if self.config.on_ceiling == "raise":
+            self.close()  # records and metrics are written already; this writes the summary and the chart
+            raise CircuitBreakerTripped(report.stop_training)
 
     def _publish_records(self, batch: dict[str, Any], report: StepReport, evidence: Any, rewards: torch.Tensor | None,
                          advantages_before: torch.Tensor | None) -> None:
@@ -257,7 +288,16 @@ class TrlGuard:
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._to_sinks("on_end", self.guard)
+        if self.stop_reason is not None and self.config.on_ceiling == "stop":
+            state = self.trainer.state
+            logger.error("rollout_guard: training was STOPPED by the circuit breaker at step %s of %s: %s trainer.train() "
+                         "returned normally, but the model did not train as planned; summary.json says so under "
+                         "'stopped'. GuardConfig(on_ceiling='raise') makes this an exception.",
+                         state.global_step, state.max_steps, self.stop_reason)
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:

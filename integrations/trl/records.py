@@ -56,6 +56,9 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
         global_row = report.local_rows.start + row
         stats = dict(zip(SAMPLE_COLUMNS, report.samples[global_row].tolist(), strict=True))
         token_mask = mask[position]
+        first = stats.get("first_divergent_token")
+        if first is not None and first >= 0:  # a position in the padded row; the record keeps loss-mask tokens only
+            stats["first_divergent_token"] = float(token_mask[: int(first)].sum())
         prompt = prompt_ids[position][prompt_mask[position]].tolist()
         completion = completion_ids[position][token_mask].tolist()
         reward_row = rewards[global_row].float().cpu() if rewards is not None else None

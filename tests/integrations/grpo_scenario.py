@@ -24,7 +24,9 @@ SCENARIOS = {
     "colocate": dict(mode="quarantine", rate=0.3, lr=5e-4, config={}),
     "replica_mismatch": dict(mode="quarantine", rate=0.3, lr=5e-4, config={}),
     "breaker": dict(mode="quarantine", rate=0.9, lr=5e-4, config={}, guard={"max_quarantine_share": 0.5}),
-    "monitor": dict(mode="monitor", rate=0.3, lr=5e-4, config={}),
+    # monitor mode with the breaker's defaults (share 0.5, on_ceiling "stop") under 90 % corruption, and a replica of
+    # TRL's advantages made to differ: both must alert, and training must go on
+    "monitor": dict(mode="monitor", rate=0.9, lr=5e-4, config={}, guard={"max_quarantine_share": 0.5}),
     "no_is_correction": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"vllm_importance_sampling_correction": False}),
     "no_vllm": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False}),
     "no_weight_sync": dict(mode="monitor", rate=None, lr=2e-2, config={}),
@@ -170,7 +172,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings), keep_steps=True)
     if spec["rate"] is not None:
         inject_stale_context(trainer, rate=spec["rate"], seed=0)
-    if name == "replica_mismatch":  # pretend TRL computed advantages differently from what the guard replicates
+    if name in ("replica_mismatch", "monitor"):  # pretend TRL computed advantages differently from the guard's replica
         from dataclasses import replace
 
         guarded.settings = replace(guarded.settings, scale_rewards="none")

@@ -152,7 +152,15 @@ def test_injection_in_a_single_group_batch_writes_real_text_from_another_prompt(
 
 
 def test_monitor_mode_reports_but_changes_nothing(tmp_path_factory, tiny_model_dir):
-    result, _ = run_scenario("monitor", tmp_path_factory, tiny_model_dir)
+    """Monitor means monitor: 90 % of rollouts corrupted (above the circuit breaker's default share) and a replica of
+    TRL's advantages that differs: both alert, nothing is changed, and training runs all its steps."""
+    result, log = run_scenario("monitor", tmp_path_factory, tiny_model_dir)
+    assert result["global_step"] == 4 and len(result["reports"]) == 4
+    assert all(r["metrics"]["suspect_share"] > 0.5 for r in result["reports"][:1])
+    alerts = [json.loads(line) for line in (Path(result["guard_dir"]) / "alerts.jsonl").read_text().splitlines()]
+    assert {a["kind"] for a in alerts if a["level"] == "ERROR"} == {"circuit_breaker", "advantage_replica"}
+    assert "monitor mode: training goes on" in log and "stopped training" not in log
+    assert "stopped" not in json.loads((Path(result["guard_dir"]) / "summary.json").read_text())
     assert sum(int(i.sum()) for i in result["injected"]) >= 3
     for raw, guarded, injected, report in zip(result["raw"], result["guarded"], result["injected"], result["reports"], strict=True):
         assert torch.equal(report["suspect"], injected)
@@ -204,6 +212,7 @@ def test_circuit_breaker_stops_training_cleanly_with_the_reason(tmp_path_factory
     assert result["global_step"] == 1, "training must stop after the first step whose share is above the ceiling"
     assert len(result["reports"]) == 1 and result["reports"][0]["metrics"]["suspect_share"] > 0.5
     assert "rollout_guard stopped training" in log and "max_quarantine_share=0.5" in log
+    assert "training was STOPPED by the circuit breaker at step 1 of 4" in log  # the last word, at the end of training
     summary = json.loads((Path(result["guard_dir"]) / "summary.json").read_text())
     assert summary["stopped"].startswith("rollout_guard stopped training")
     alerts = [json.loads(line) for line in (Path(result["guard_dir"]) / "alerts.jsonl").read_text().splitlines()]
@@ -293,5 +302,5 @@ def test_a_trl_whose_advantages_differ_from_the_replica_stops_at_the_first_step(
     done = subprocess.run([sys.executable, str(SCENARIO_SCRIPT), "replica_mismatch", "--out", str(out), "--model", str(tiny_model_dir)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode != 0
-    assert "TRL's advantages differ from rollout_guard's replica" in done.stderr
+    assert "TRL's advantages differ from rollout_guard's replica" in done.stderr and "at step 1 on process(es) [0]" in done.stderr
     assert not (out / "result.pt").exists()
