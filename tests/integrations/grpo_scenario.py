@@ -32,6 +32,9 @@ SCENARIOS = {
     "no_weight_sync": dict(mode="monitor", rate=None, lr=2e-2, config={}),
     "server": dict(mode="quarantine", rate=0.3, lr=0.0, config={"vllm_mode": "server"}),
     # TRL's default layout: a generation batch is a single group, so a foreign context must come from another step
+    # a barely trained (high-entropy) policy sampled with top_k=5: vLLM's processed logprobs sit ~1.5 nats above
+    # the trainer's on every token; no corruption at all, the default breaker on
+    "topk_high_entropy": dict(mode="quarantine", rate=None, lr=5e-4, config={"top_k": 5}, guard={"max_quarantine_share": 0.5}),
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
     "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4,
                      config={"report_to": ["wandb", "trackio"], "project": "rollout-guard-test", "run_name": "trackers"}),
@@ -188,6 +191,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     guarded_batches = [step.after for step in kept]
     reports = [{
         "suspect": step.report.suspect, "quarantined": step.report.quarantined, "reasons": step.report.reasons,
+        "samples": step.report.samples,
         "metrics": dict(step.report.metrics), "overhead_seconds": step.overhead_seconds,
         "alerts": [alert.kind for alert in step.report.alerts],
     } for step in kept]

@@ -151,6 +151,25 @@ def test_injection_in_a_single_group_batch_writes_real_text_from_another_prompt(
     assert sum(length >= 3 for length in lengths) >= 0.75 * len(lengths), f"corrupted completion lengths {lengths}"
 
 
+def test_processed_logprobs_of_a_high_entropy_top_k_policy_are_not_corruption(tmp_path_factory, tiny_model_dir):
+    """Issue 10: top_k=5 on a barely trained policy, no corruption. Release 0.1's thresholds flagged every sample
+    (mean |Δ| ≈ the log of the mass outside the top 5) and its breaker stopped training at step 1."""
+    from rollout_guard.config import GuardConfig
+    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
+    from rollout_guard.verdict import judge
+
+    model = build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(train_steps=5))  # barely trained: high entropy
+    result, log = run_scenario("topk_high_entropy", tmp_path_factory, model, steps=4)
+    assert len(result["reports"]) == 4 and "stopped training" not in log
+    offsets = [report["metrics"]["mean_abs_delta"] for report in result["reports"]]
+    assert min(offsets) > 0.5, f"the scenario must produce a real processed-logprob offset: {offsets}"
+    for report in result["reports"]:
+        assert not report["suspect"].any(), report["metrics"]
+    release_0_1 = GuardConfig(spike_delta=8.0, mean_delta=1.0, spike_excess=None, drift_threshold=None)
+    flagged = [float(judge(report["samples"], release_0_1).suspect.float().mean()) for report in result["reports"]]
+    assert max(flagged) > 0.5, f"control: the old thresholds flag this run ({flagged})"
+
+
 def test_monitor_mode_reports_but_changes_nothing(tmp_path_factory, tiny_model_dir):
     """Monitor means monitor: 90 % of rollouts corrupted (above the circuit breaker's default share) and a replica of
     TRL's advantages that differs: both alert, nothing is changed, and training runs all its steps."""
