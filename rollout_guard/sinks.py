@@ -8,15 +8,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Protocol
 
-from rollout_guard.charts import spike_chart
 from rollout_guard.config import GuardConfig
+from rollout_guard.extras import MissingExtraError, require_extra
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord, json_safe
 from rollout_guard.store import QuarantineStore
+
+logger = logging.getLogger("rollout_guard")
 
 
 class Sink(Protocol):
@@ -47,6 +50,7 @@ class LocalFilesSink:
         self.metrics_path = self.directory / "metrics.jsonl"
         self.alerts_path = self.directory / "alerts.jsonl"
         self.chart_path = self.directory / "spikes.png"
+        self._no_charts = False
         (self.directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
@@ -69,13 +73,20 @@ class LocalFilesSink:
         self.store.close()
 
     def draw_chart(self, guard: RolloutGuard) -> Path | None:
-        if not guard.totals.history:
+        """Redraw ``spikes.png``; without matplotlib (the ``charts`` extra) say so once and write no chart."""
+        if not guard.totals.history or self._no_charts:
+            return None
+        try:
+            from rollout_guard.charts import spike_chart
+        except MissingExtraError as error:
+            self._no_charts = True
+            logger.warning("rollout_guard: no spikes.png (%s); metrics.jsonl has the same numbers", error)
             return None
         return spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta, self.chart_path)
 
 
-class ConsoleSink:
-    """Prints one table row per guarded step (rich), for people watching a terminal."""
+class StepTableSink:
+    """Prints one table row per guarded step (rich: the `cli` extra), for watching a run closely (the demo does)."""
 
     COLUMNS = (
         ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max|Δ|", "{:.2e}"),
@@ -86,6 +97,7 @@ class ConsoleSink:
     )
 
     def __init__(self, console=None) -> None:  # noqa: ANN001
+        require_extra("StepTableSink", ("rich",), "cli")
         from rich.console import Console
 
         self.console = console or Console()
