@@ -36,16 +36,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rollout_guard.extras import require_extra
+
+require_extra("rollout_guard.integrations.trl", ("trl", "transformers", "accelerate"), "trl")
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rollout_guard.action import group_relative_advantages, loss_token_count, mask_quarantined
 from rollout_guard.config import GuardConfig
+from rollout_guard.console import ConsoleSink
 from rollout_guard.errors import GuardConfigError, GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.injection import choose_rows, plan_injection
+from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.sinks import LocalFilesSink, Sink
 from rollout_guard.statistics import SAMPLE_COLUMNS
@@ -54,6 +60,9 @@ from rollout_guard.verdict import rule_names
 logger = logging.getLogger("rollout_guard")
 
 STATE_FILE = "rollout_guard_state.json"
+# Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
+# them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
+TRL_METRIC_PREFIX = "rollout_guard_window_mean/"
 TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined", "guard_seconds")
 
 
@@ -69,9 +78,10 @@ def _vllm_version() -> str | None:
 
 
 def default_sinks(report_to: list[str] | str | None, config: GuardConfig, output_dir: Path) -> list[Sink]:
-    """Local files always; W&B and trackio when the trainer reports to them."""
+    """Local files and the console (alerts, end-of-training summary) always; W&B and trackio when the trainer
+    reports to them."""
     report_to = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    sinks: list[Sink] = [LocalFilesSink(output_dir, config)]
+    sinks: list[Sink] = [LocalFilesSink(output_dir, config), ConsoleSink(output_dir)]
     if "wandb" in report_to:
         from rollout_guard.integrations.wandb import WandbSink
 
@@ -105,7 +115,7 @@ def require(batch: dict[str, Any], key: str) -> torch.Tensor:
     value = batch.get(key)
     if not isinstance(value, torch.Tensor):
         problem = "missing" if value is None else f"a {type(value).__name__}, not a tensor"
-        raise GuardInputError(f"batch['{key}']", f"{problem} in the batch TRL built", "use trl 1.16 (GRPOTrainer)")
+        raise GuardInputError(f"batch['{key}']", f"{problem} in the batch TRL built", f"use a TRL GRPOTrainer ({describe_trl()})")
     return value
 
 
@@ -173,8 +183,9 @@ class TrlGuard:
             if not hasattr(trainer, attribute):
                 raise GuardError(
                     f"trainer of type {type(trainer).__name__} has no '{attribute}': attach_guard needs a TRL "
-                    f"GRPOTrainer (tested with trl 1.16; installed: {_version('trl')})"
+                    f"GRPOTrainer ({describe_trl()})"
                 )
+        warn_if_unsupported()
         self.trainer = trainer
         self.config = config or GuardConfig()
         has_trainer_logprobs = trainer.use_vllm and trainer.vllm_importance_sampling_correction
@@ -291,8 +302,8 @@ class TrlGuard:
             try:
                 if report.any_quarantined:
                     if rewards is None:
-                        raise GuardError("TRL's _calculate_rewards was not called in this generation step; this TRL "
-                                         "version is not supported by rollout_guard")
+                        raise GuardError("TRL's _calculate_rewards was not called in this generation step: this TRL "
+                                         f"version is not supported ({describe_trl()})")
                     guarded = quarantine_batch(batch, report, rewards, self.settings)
             except Exception as error:
                 self._failure("acting on the verdict", error)
@@ -304,7 +315,7 @@ class TrlGuard:
             logger.error(report.stop_training)
         for key in TRL_METRIC_KEYS:
             if key in report.metrics:
-                trainer._metrics["train"][f"rollout_guard/{key}"].append(report.metrics[key])
+                trainer._metrics["train"][f"{TRL_METRIC_PREFIX}{key}"].append(report.metrics[key])
         self._to_sinks("on_step", report, self.guard)
         return guarded
 
@@ -346,9 +357,9 @@ class TrlGuard:
         replica = self.settings.advantages(rewards)[report.local_rows].to(advantages)
         if not torch.allclose(replica, advantages, atol=1e-5, rtol=1e-4):
             raise GuardError(
-                "TRL's advantages differ from rollout_guard's replica of its arithmetic (installed trl "
-                f"{_version('trl')}); re-normalising groups without quarantined samples would be wrong. "
-                "Use trl 1.16 or GuardConfig(mode='monitor')"
+                "TRL's advantages differ from rollout_guard's replica of its arithmetic "
+                f"({describe_trl()}); re-normalising groups without quarantined samples would be wrong. "
+                "Use a supported TRL or GuardConfig(mode='monitor')"
             )
 
     def _trainer_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
