@@ -64,8 +64,8 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
         lines.append(f"  {totals.stopped}")
     if directory is not None:
         directory = Path(directory)
-        lines.append(f"  evidence: {directory / 'quarantine'} (one record per suspect sample); "
-                     f"per-step values: {directory / 'metrics.jsonl'}")
+        lines.append(f"  evidence: {directory / 'quarantine'} (one record per suspect sample)")
+        lines.append(f"  per-step values: {directory / 'metrics.jsonl'}")
         lines.append(f"  report: rollout-guard report {directory}")
     return lines
 

@@ -46,7 +46,8 @@ def test_alerts_are_logged_when_they_happen_and_the_summary_at_the_end(tmp_path,
     assert summary[0] == "rollout_guard: 3 steps, 24 rollouts judged; 3 quarantined (kept out of the loss), 12.50%."
     assert summary[1].startswith("  rules fired: ") and "token_spike 3" in summary[1]
     assert summary[2] == "  worst step: 2 (2 suspect, max |Δ| 9.95 nats)"
-    assert summary[-2].startswith(f"  evidence: {tmp_path / 'quarantine'}")
+    assert summary[-3] == f"  evidence: {tmp_path / 'quarantine'} (one record per suspect sample)"
+    assert summary[-2] == f"  per-step values: {tmp_path / 'metrics.jsonl'}"
     assert summary[-1] == f"  report: rollout-guard report {tmp_path}"
 
 
