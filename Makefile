@@ -19,7 +19,7 @@ OLD_STAMP := $(OLD_VENV)/.installed
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(dir $(LOG)) && : > $(LOG)
-	@echo "Setting up $(VENV): rollout_guard, the CPU build of vLLM, TRL, torch, W&B, trackio, pytest (~2.5 GB; a few minutes on a fresh machine). pip's log: $(LOG)"
+	@echo "Setting up $(VENV): rollout_guard, the CPU build of vLLM, TRL, torch, W&B, trackio, pytest (~4 GB; a few minutes on a fresh machine). pip's log: $(LOG)"
 	@scripts/logged $(LOG) "creating $(VENV)" $(PYTHON) -m venv $(VENV)
 	@scripts/logged $(LOG) "upgrading pip" $(PY) -m pip install --upgrade pip
 	@scripts/logged $(LOG) "installing rollout_guard with extras cpu,dev" $(PY) -m pip install -e ".[cpu,dev]"
