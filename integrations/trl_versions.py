@@ -56,7 +56,9 @@ def is_supported(version: str | None) -> bool:
 
 
 def supported_range() -> str:
-    """>>> supported_range()
+    """The supported range, for messages.
+
+    >>> supported_range()
     '1.14–1.16'
     """
     return f"{OLDEST[0]}.{OLDEST[1]}–{NEWEST[0]}.{NEWEST[1]}"
