@@ -86,7 +86,8 @@ class LocalFilesSink:
 
 
 class StepTableSink:
-    """Prints one table row per guarded step (rich: the `cli` extra), for watching a run closely (the demo does)."""
+    """Prints one table row per guarded step (rich: the `cli` extra), for watching a run closely (the demo does).
+    Alerts and the end-of-training summary are :class:`rollout_guard.console.ConsoleSink`'s."""
 
     COLUMNS = (
         ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max|Δ|", "{:.2e}"),
@@ -119,8 +120,6 @@ class StepTableSink:
             self._header_printed = True
         style = "red" if report.metrics.get("suspect") else None
         self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False, soft_wrap=True)
-        for alert in report.alerts:
-            self.console.print(f"ALERT {alert.title}", style="bold red", highlight=False, soft_wrap=True)
 
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         pass
