@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
     from rollout_guard.integrations.trl import attach_guard, default_sinks, inject_stale_context
     from rollout_guard.integrations.vllm_cpu import enable_trl_colocate_on_vllm_cpu
-    from rollout_guard.sinks import ConsoleSink
+    from rollout_guard.sinks import StepTableSink
 
     console = Console()
     for previous in ("rollout_guard", "trainer", "wandb", "summary.json"):  # this demo's own earlier output
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     guard_dir = args.output_dir / "rollout_guard"
     config = GuardConfig(mode=args.mode, output_dir=str(guard_dir))
-    sinks = default_sinks(training.report_to, config, guard_dir) + [ConsoleSink(console)]
+    sinks = default_sinks(training.report_to, config, guard_dir) + [StepTableSink(console)]
     guarded = attach_guard(trainer, config, sinks=sinks)
     inject_stale_context(trainer, rate=args.rate, seed=args.seed)
 

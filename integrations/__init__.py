@@ -1,6 +1,7 @@
 """Framework adapters of rollout_guard, installed as ``rollout_guard.integrations``.
 
-``trl``: attach the guard to a TRL GRPOTrainer (``attach_guard``), vLLM fault injection (a package, one module per concern).
+``trl``: attach the guard to a TRL GRPOTrainer (``attach_guard``), vLLM fault injection (a package, one module per
+concern); ``trl_versions``: the supported TRL releases (1.14–1.16) and how errors name the installed one.
 ``vllm_cpu``: CPU support for TRL's vLLM colocate mode and a vLLM server command for the CPU build.
 ``vllm_tools``: ``rollout-guard audit`` and ``replay`` (a vLLM engine next to transformers).
 ``hf_rollouts``: a transformers rollout engine (``rollout_func``) with engine logprobs, and transformers scoring.

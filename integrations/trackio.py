@@ -6,6 +6,7 @@ held until a run exists and then sent with ``train/global_step``, as transformer
 
 from __future__ import annotations
 
+from rollout_guard.extras import require_extra
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.sinks import finite_metrics
@@ -15,6 +16,7 @@ PREFIX = "rollout_guard/"
 
 class TrackioSink:
     def __init__(self) -> None:
+        require_extra("TrackioSink", ("trackio",), "trackio")
         import trackio
 
         self.trackio = trackio

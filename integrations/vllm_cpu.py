@@ -26,6 +26,9 @@ _PATCHED_MARK = "_rollout_guard_cpu_shim"
 
 
 def vllm_platform_is_cpu() -> bool:
+    from rollout_guard.extras import require_extra
+
+    require_extra("rollout_guard.integrations.vllm_cpu", ("vllm",), "cpu", "gpu")
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())

@@ -21,6 +21,7 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.extras import require_extra
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.injection import choose_rows, plan_injection
 from rollout_guard.integrations.hf_rollouts import score_with_transformers
@@ -34,6 +35,7 @@ class VllmEngine:
     """An in-process vLLM engine (no engine-core subprocess: starts in seconds, one model per process)."""
 
     def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None, seed: int = 0) -> None:
+        require_extra("rollout-guard audit and replay", ("vllm", "transformers"), "cpu", "gpu")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform

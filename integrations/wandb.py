@@ -16,6 +16,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from rollout_guard.extras import require_extra
+
+require_extra("rollout_guard.integrations.wandb", ("wandb", "numpy", "matplotlib"), "wandb")
 import numpy as np
 
 from rollout_guard.charts import spike_chart, token_chart

@@ -1,4 +1,4 @@
-"""Charts drawn with matplotlib (Agg, no display needed)."""
+"""Charts drawn with matplotlib (Agg, no display needed). Needs the ``charts`` extra (also in ``trl``, ``wandb``, ``cli``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollout_guard.extras import require_extra
+
+require_extra("rollout_guard.charts", ("matplotlib",), "charts")
 import matplotlib
 
 matplotlib.use("Agg")

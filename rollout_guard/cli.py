@@ -1,9 +1,12 @@
-"""The ``rollout-guard`` command line."""
+"""The ``rollout-guard`` command line (the ``cli`` extra; ``audit`` and ``replay`` also need vLLM: ``cpu`` or ``gpu``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from rollout_guard.extras import require_extra
+
+require_extra("the rollout-guard command line", ("typer", "rich", "matplotlib"), "cli")
 import typer
 
 from rollout_guard.report import format_value

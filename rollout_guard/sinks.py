@@ -8,15 +8,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Protocol
 
-from rollout_guard.charts import spike_chart
 from rollout_guard.config import GuardConfig
+from rollout_guard.extras import MissingExtraError, require_extra
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord, json_safe
 from rollout_guard.store import QuarantineStore, drop_records_after
+
+logger = logging.getLogger("rollout_guard")
 
 
 class Sink(Protocol):
@@ -54,6 +57,7 @@ class LocalFilesSink:
         self.metrics_path = self.directory / "metrics.jsonl"
         self.alerts_path = self.directory / "alerts.jsonl"
         self.chart_path = self.directory / "spikes.png"
+        self._no_charts = False
         (self.directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
@@ -87,13 +91,21 @@ class LocalFilesSink:
         self.store.close()
 
     def draw_chart(self, guard: RolloutGuard) -> Path | None:
-        if not guard.totals.history:
+        """Redraw ``spikes.png``; without matplotlib (the ``charts`` extra) say so once and write no chart."""
+        if not guard.totals.history or self._no_charts:
+            return None
+        try:
+            from rollout_guard.charts import spike_chart
+        except MissingExtraError as error:
+            self._no_charts = True
+            logger.warning("rollout_guard: no spikes.png (%s); metrics.jsonl has the same numbers", error)
             return None
         return spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta, self.chart_path)
 
 
-class ConsoleSink:
-    """Prints one table row per guarded step (rich), for people watching a terminal."""
+class StepTableSink:
+    """Prints one table row per guarded step (rich: the `cli` extra), for watching a run closely (the demo does).
+    Alerts and the end-of-training summary are :class:`rollout_guard.console.ConsoleSink`'s."""
 
     COLUMNS = (
         ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max|Δ|", "{:.2e}"),
@@ -104,6 +116,7 @@ class ConsoleSink:
     )
 
     def __init__(self, console=None) -> None:  # noqa: ANN001
+        require_extra("StepTableSink", ("rich",), "cli")
         from rich.console import Console
 
         self.console = console or Console()
@@ -125,8 +138,6 @@ class ConsoleSink:
             self._header_printed = True
         style = "red" if report.metrics.get("suspect") else None
         self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False, soft_wrap=True)
-        for alert in report.alerts:
-            self.console.print(f"ALERT {alert.title}", style="bold red", highlight=False, soft_wrap=True)
 
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         pass

@@ -6,7 +6,7 @@ import torch
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
-from rollout_guard.sinks import ConsoleSink, LocalFilesSink
+from rollout_guard.sinks import LocalFilesSink, StepTableSink
 
 
 def evidence(corrupt: bool) -> RolloutEvidence:
@@ -36,16 +36,14 @@ def test_local_files_sink_writes_metrics_chart_and_summary(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["mode"] == "quarantine"
 
 
-def test_console_sink_prints_one_row_per_step():
+def test_step_table_sink_prints_one_row_per_step():
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    guard = RolloutGuard(GuardConfig(spike_delta=8.0))  # a spike alert above the token_spike ceiling
-    sink = ConsoleSink(console)
+    guard = RolloutGuard(GuardConfig())
+    sink = StepTableSink(console)
     sink.on_step(guard.inspect(evidence(False), step=0), guard)
     sink.on_step(guard.inspect(evidence(True), step=1), guard)
     lines = console.export_text().splitlines()
-    assert "max|Δ|" in lines[0] and len(lines) == 5
+    assert "max|Δ|" in lines[0] and len(lines) == 3  # header and one row per step; alerts are the ConsoleSink's
     assert lines[2].split()[0] == "1" and lines[2].split()[1] == "4"
-    assert lines[3].startswith("ALERT") and "25.0% of rollouts quarantined at step 1" in lines[3]
-    assert lines[4].startswith("ALERT") and "logprob spike" in lines[4]

@@ -29,10 +29,14 @@ One concern per module:
 ``sampling``: what the engine's processed logprobs mean under the trainer's sampling settings.
 ``records``: evidence records of suspect samples. ``checkpoint``: the guard's state next to TRL checkpoints.
 ``fault_injection``: stale-context corruption of vLLM rollouts. ``capture``: host copies of each step, for tests.
-``versions``: installed TRL/vLLM/transformers versions.
+``versions``: installed TRL/vLLM/transformers versions (the supported range: ``rollout_guard.integrations.trl_versions``).
 """
 
-from rollout_guard.integrations.trl.attach import TRL_METRIC_KEYS, TrlGuard, attach_guard, default_sinks
+from rollout_guard.extras import require_extra
+
+require_extra("rollout_guard.integrations.trl", ("trl", "transformers", "accelerate"), "trl")
+
+from rollout_guard.integrations.trl.attach import TRL_METRIC_KEYS, TRL_METRIC_PREFIX, TrlGuard, attach_guard, default_sinks
 from rollout_guard.integrations.trl.batch import (
     NEUTRAL_FILL, GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs, require,
 )
@@ -42,7 +46,7 @@ from rollout_guard.integrations.trl.fault_injection import StaleContextInjector,
 from rollout_guard.integrations.trl.records import build_records
 
 __all__ = [
-    "STATE_FILE", "TRL_METRIC_KEYS", "GroupSettings", "GuardedStep", "StaleContextInjector", "TrlGuard", "attach_guard",
+    "STATE_FILE", "TRL_METRIC_KEYS", "TRL_METRIC_PREFIX", "GroupSettings", "GuardedStep", "StaleContextInjector", "TrlGuard", "attach_guard",
     "NEUTRAL_FILL", "build_records", "check_action_inputs", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
     "load_state", "loss_mask_of", "quarantine_batch", "replica_differs", "require", "save_state",
 ]

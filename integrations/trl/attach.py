@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rollout_guard.config import GuardConfig
+from rollout_guard.console import ConsoleSink
 from rollout_guard.errors import CircuitBreakerTripped, GuardConfigError, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
@@ -24,18 +25,22 @@ from rollout_guard.integrations.trl.batch import (
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
 from rollout_guard.integrations.trl.records import build_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
-from rollout_guard.integrations.trl.versions import version
+from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.sinks import LocalFilesSink, Sink
 
 logger = logging.getLogger("rollout_guard")
 
+# Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
+# them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
+TRL_METRIC_PREFIX = "rollout_guard_window_mean/"
 TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined", "guard_seconds")
 
 
 def default_sinks(report_to: list[str] | str | None, config: GuardConfig, output_dir: Path) -> list[Sink]:
-    """Local files always; W&B and trackio when the trainer reports to them."""
+    """Local files and the console (alerts, end-of-training summary) always; W&B and trackio when the trainer
+    reports to them."""
     report_to = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    sinks: list[Sink] = [LocalFilesSink(output_dir, config)]
+    sinks: list[Sink] = [LocalFilesSink(output_dir, config), ConsoleSink(output_dir)]
     if "wandb" in report_to:
         from rollout_guard.integrations.wandb import WandbSink
 
@@ -67,8 +72,9 @@ class TrlGuard:
             if not hasattr(trainer, attribute):
                 raise GuardError(
                     f"trainer of type {type(trainer).__name__} has no '{attribute}': attach_guard needs a TRL "
-                    f"GRPOTrainer (tested with trl 1.16; installed: {version('trl')})"
+                    f"GRPOTrainer ({describe_trl()})"
                 )
+        warn_if_unsupported()
         self.trainer = trainer
         self.config = config or GuardConfig()
         has_trainer_logprobs = trainer.use_vllm and trainer.vllm_importance_sampling_correction
@@ -196,7 +202,7 @@ class TrlGuard:
                 self._publish_records(guarded, report, evidence, rewards, batch.get("advantages"))
         for key in TRL_METRIC_KEYS:
             if key in report.metrics:
-                trainer._metrics["train"][f"rollout_guard/{key}"].append(report.metrics[key])
+                trainer._metrics["train"][f"{TRL_METRIC_PREFIX}{key}"].append(report.metrics[key])
         self._to_sinks("on_step", report, self.guard)
         if report.stop_training:
             self._stop(report)

@@ -12,7 +12,7 @@ from rollout_guard.action import fill_rows, group_relative_advantages, loss_toke
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import StepReport
-from rollout_guard.integrations.trl.versions import version
+from rollout_guard.integrations.trl_versions import describe_trl
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def require(batch: dict[str, Any], key: str) -> torch.Tensor:
     value = batch.get(key)
     if not isinstance(value, torch.Tensor):
         problem = "missing" if value is None else f"a {type(value).__name__}, not a tensor"
-        raise GuardInputError(f"batch['{key}']", f"{problem} in the batch TRL built", "use trl 1.16 (GRPOTrainer)")
+        raise GuardInputError(f"batch['{key}']", f"{problem} in the batch TRL built", f"use a TRL GRPOTrainer ({describe_trl()})")
     return value
 
 
@@ -98,17 +98,17 @@ def check_action_inputs(batch: dict[str, Any], rewards: torch.Tensor | None, row
     advantages = require(batch, "advantages")
     if mask.dim() != 2 or mask.shape[0] != rows or tuple(advantages.shape) != (rows,):
         raise GuardInputError("batch['advantages']", f"shape {tuple(advantages.shape)} for a completion_mask of shape "
-                              f"{tuple(mask.shape)}; expected ({rows},)", "use trl 1.16 (GRPOTrainer)")
+                              f"{tuple(mask.shape)}; expected ({rows},)", f"use a TRL GRPOTrainer ({describe_trl()})")
     if rewards is None:
         raise GuardInputError("rewards", "TRL's _calculate_rewards was not called in this generation step",
-                              "use trl 1.16 (GRPOTrainer), whose _generate_and_score_completions calls it")
+                              f"use a TRL GRPOTrainer ({describe_trl()}), whose _generate_and_score_completions calls it")
     if rewards.dim() != 2 or rewards.shape[0] % settings.group_size or rewards.shape[1] != settings.reward_weights.numel():
         raise GuardInputError("rewards", f"shape {tuple(rewards.shape)}, expected (N, {settings.reward_weights.numel()}) "
-                              f"with N a multiple of num_generations={settings.group_size}", "use trl 1.16 (GRPOTrainer)")
+                              f"with N a multiple of num_generations={settings.group_size}", f"use a TRL GRPOTrainer ({describe_trl()})")
     for key in NEUTRAL_FILL:
         value = batch.get(key)
         if value is not None and not (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows):
-            raise GuardInputError(f"batch['{key}']", f"not a tensor with {rows} rows", "use trl 1.16 (GRPOTrainer)")
+            raise GuardInputError(f"batch['{key}']", f"not a tensor with {rows} rows", f"use a TRL GRPOTrainer ({describe_trl()})")
 
 
 def replica_differs(batch: dict[str, Any], rewards: torch.Tensor, settings: GroupSettings, local_rows: slice) -> torch.Tensor:
@@ -121,5 +121,5 @@ def replica_differs(batch: dict[str, Any], rewards: torch.Tensor, settings: Grou
 
 def replica_mismatch_message(ranks: list[int], step: int) -> str:
     return (f"TRL's advantages differ from rollout_guard's replica of its arithmetic at step {step} on process(es) "
-            f"{ranks} (installed trl {version('trl')}); re-normalising groups without quarantined samples would be "
-            "wrong. Use trl 1.16 or GuardConfig(mode='monitor')")
+            f"{ranks} ({describe_trl()}); re-normalising groups without quarantined samples would be "
+            "wrong. Use a supported TRL or GuardConfig(mode='monitor')")
