@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,10 @@ def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4, e
     out = out or tmp_path_factory.mktemp(name)
     log_path = out / "scenario.log"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(out), "TRACKIO_DIR": str(out / "trackio"), "WANDB_SILENT": "true"}
+    if processes == 1:  # vLLM's colocated engine opens a torch.distributed store: never on a port another run holds
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(sock.getsockname()[1])
     # `accelerate launch --cpu` starts a single process; `--multi_gpu` starts torch.distributed's launcher, and
     # GRPOConfig(use_cpu=True) then runs each process on the CPU with gloo.
     launcher = [sys.executable] if processes == 1 else [
