@@ -8,6 +8,11 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
 * the centre of ``d = engine − trainer``: the mean of ``clip(d − centre_then, −1, 4)`` over kept tokens, added to
   the centre in use when they were judged. It absorbs the systematic offset of processed logprobs (top-k/top-p
   renormalisation makes ``d ≈ −log(kept mass) ≥ 0`` on every token) and of a run's dtype;
+* the drift allowance: the larger of ``drift_allowance`` and ``σ² · ln(1000 · L / false_alarm_budget) / (2 h)``,
+  with σ² the variance of healthy ``clip(x)`` in the bucket, L the mean tokens per sample and h the drift
+  threshold. A one-sided CUSUM with allowance a over increments of spread σ crosses h in one excursion with
+  probability ≈ exp(−2ah/σ²) (Siegmund's approximation), and a sample has at most ~L excursions, so a noisy bucket
+  (healthy hybrid runs, low-probability tokens) gets a larger allowance and a quiet one keeps the configured one;
 * the spike threshold: the ``1 − α`` quantile of healthy ``|x|``, ``x = d − centre``, over the bucket's spike
   candidates (tokens at least one side found likely), with ``α = false_alarm_budget / 1000 / (candidates per
   sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget; never
@@ -57,6 +62,7 @@ class Calibration:
         self.config = config
         self.sums = torch.zeros(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH, dtype=torch.float64)
         self.centre = torch.zeros(NUM_ENGINE_BUCKETS, dtype=torch.float64)
+        self.variance = torch.zeros(NUM_ENGINE_BUCKETS, dtype=torch.float64)  # of clip(x) around the centre
         self.rows = 0.0  # decayed count of kept samples
 
     def warm(self) -> torch.Tensor:
@@ -69,13 +75,17 @@ class Calibration:
         warm = self.warm()
         if not bool(warm.any()):
             return Thresholds(*(t.to(device) for t in fixed))
-        candidates = self.sums[:, 2]
+        candidates = self.sums[:, 3]
         per_sample = candidates.sum() / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = torch.full_like(candidates, (config.false_alarm_budget / 1000.0) / max(float(per_sample), 1.0))
-        quantile = spike_quantile(self.sums[:, 3:], candidates, alpha).float()
+        quantile = spike_quantile(self.sums[:, 4:], candidates, alpha).float()
         spike = torch.where(warm, torch.maximum(quantile, fixed.spike), fixed.spike)
         centre = torch.where(warm, self.centre.float(), fixed.centre)
-        allowance = torch.where(warm, torch.full_like(centre, config.drift_allowance), fixed.allowance)
+        drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
+        tokens_per_sample = float(self.sums[:, 0].sum()) / max(self.rows, 1.0)
+        log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
+        noisy = (self.variance * log_odds / (2 * drift_threshold)).float()
+        allowance = torch.where(warm, noisy.clamp(min=config.drift_allowance), fixed.allowance)
         return Thresholds(centre.to(device), allowance.to(device), spike.to(device))
 
     def update(self, contribution: torch.Tensor, kept_rows: float) -> None:
@@ -85,19 +95,22 @@ class Calibration:
         # the step's tokens were centred with the centre then in use (0 before warm-up): move them to absolute d
         in_use = torch.where(self.warm(), self.centre, torch.zeros_like(self.centre))
         mean_then = contribution[:, 1] / contribution[:, 0].clamp(min=1.0)
+        variance_then = (contribution[:, 2] / contribution[:, 0].clamp(min=1.0) - mean_then**2).clamp(min=0.0)
         self.sums *= decay
         self.rows = self.rows * decay + kept_rows
         old_tokens = self.sums[:, 0].clone()
         self.sums += contribution
         new_mean = in_use + mean_then
         weight = contribution[:, 0] / self.sums[:, 0].clamp(min=1e-12)
-        self.centre = torch.where(old_tokens + contribution[:, 0] > 0,
-                                  self.centre * (1 - weight) + new_mean * weight, self.centre)
+        seen = old_tokens + contribution[:, 0] > 0
+        self.centre = torch.where(seen, self.centre * (1 - weight) + new_mean * weight, self.centre)
+        self.variance = torch.where(seen, self.variance * (1 - weight) + variance_then * weight, self.variance)
 
     def state_dict(self) -> dict:
-        return {"sums": self.sums.tolist(), "centre": self.centre.tolist(), "rows": self.rows}
+        return {"sums": self.sums.tolist(), "centre": self.centre.tolist(), "variance": self.variance.tolist(), "rows": self.rows}
 
     def load_state_dict(self, state: dict) -> None:
         self.sums = torch.tensor(state["sums"], dtype=torch.float64)
         self.centre = torch.tensor(state["centre"], dtype=torch.float64)
+        self.variance = torch.tensor(state["variance"], dtype=torch.float64)
         self.rows = float(state["rows"])

@@ -86,7 +86,8 @@ class GuardConfig:
 
     drift_allowance: float = 0.5
     """nats per token. What ``x`` may average per token on a run before the drift CUSUM grows, once the run's own
-    offset per engine bucket is calibrated. Moderate corruption averages ≥ 0.7 nats per token. Default 0.5."""
+    offset per engine bucket is calibrated; a bucket whose healthy spread is large gets more (see
+    :mod:`rollout_guard.calibration`). Moderate corruption averages ≥ 0.7 nats per token. Default 0.5."""
 
     warmup_drift_allowance: float = 2.0
     """nats per token. The allowance before calibration (the first steps of a run): above the processed-logprob

@@ -50,8 +50,8 @@ NUM_ENGINE_BUCKETS = len(ENGINE_BUCKET_EDGES) + 1
 # the last bin is [64, inf). Values below 0.25 count only in the bucket's token count.
 EXCESS_EDGES = tuple(2.0 ** (k / 4) for k in range(-8, 25))
 NUM_EXCESS_BINS = len(EXCESS_EDGES)
-CALIBRATION_WIDTH = 3 + NUM_EXCESS_BINS  # per bucket: tokens, Σ clip(x), spike candidates, their |x| histogram
-EXCESS_CLIP = (-1.0, 4.0)  # nats: one token moves the CUSUM by at most this much (before the allowance)
+CALIBRATION_WIDTH = 4 + NUM_EXCESS_BINS  # per bucket: tokens, Σ clip(x), Σ clip(x)², spike candidates, their |x| histogram
+EXCESS_CLIP = (-2.0, 4.0)  # nats: one token moves the CUSUM by at most this much (before the allowance)
 
 _K3_LOG_RATIO_CAP = 30.0  # exp(30) ≈ 1e13 stays finite in float32; larger ratios add nothing to a verdict
 
@@ -200,14 +200,15 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
 
 def calibration_contribution(bucket: torch.Tensor, excess: torch.Tensor, clipped: torch.Tensor,
                              compared: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
-    """Per sample and engine bucket: compared tokens, Σ clip(x), spike-candidate tokens and the histogram of their
-    |x| over :data:`EXCESS_EDGES`; (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32, by scatter (no host sync).
+    """Per sample and engine bucket: compared tokens, Σ clip(x), Σ clip(x)², spike-candidate tokens and the
+    histogram of their |x| over :data:`EXCESS_EDGES`; (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32, by
+    scatter (no host sync).
 
     >>> c = calibration_contribution(torch.tensor([[3, 3, 0]]), torch.tensor([[0.1, -1.0, -2.0]]),
     ...                              torch.tensor([[0.1, -1.0, -1.0]]), torch.tensor([[True, True, False]]),
     ...                              torch.tensor([[True, True, False]]))
-    >>> c[0, 3, :3].tolist(), int(c[0, 3, 3:].sum()), float(c[0, 0].sum())
-    ([2.0, -0.8999999761581421, 2.0], 1, 0.0)
+    >>> [round(v, 4) for v in c[0, 3, :4].tolist()], int(c[0, 3, 4:].sum()), float(c[0, 0].sum())
+    ([2.0, -0.9, 1.01, 2.0], 1, 0.0)
     """
     batch, width = bucket.shape
     weight = compared.float()
@@ -216,11 +217,12 @@ def calibration_contribution(bucket: torch.Tensor, excess: torch.Tensor, clipped
     out = torch.zeros(batch * NUM_ENGINE_BUCKETS * CALIBRATION_WIDTH, dtype=torch.float32, device=bucket.device)
     out.scatter_add_(0, base.flatten(), weight.flatten())
     out.scatter_add_(0, (base + 1).flatten(), (clipped * weight).flatten())
+    out.scatter_add_(0, (base + 2).flatten(), (clipped * clipped * weight).flatten())
     candidates = (compared & candidate).float()
-    out.scatter_add_(0, (base + 2).flatten(), candidates.flatten())
+    out.scatter_add_(0, (base + 3).flatten(), candidates.flatten())
     edges = torch.tensor(EXCESS_EDGES, dtype=excess.dtype, device=excess.device)
     index = torch.bucketize(excess.abs().contiguous(), edges, right=True) - 1  # −1 below the first edge
-    out.scatter_add_(0, (base + 3 + index.clamp(min=0)).flatten(), (candidates * (index >= 0).float()).flatten())
+    out.scatter_add_(0, (base + 4 + index.clamp(min=0)).flatten(), (candidates * (index >= 0).float()).flatten())
     return out.view(batch, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
 
 

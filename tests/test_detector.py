@@ -167,3 +167,26 @@ def test_fixed_thresholds_before_calibration():
     assert thresholds.centre.tolist() == [0.0] * NUM_ENGINE_BUCKETS
     assert thresholds.allowance.tolist() == [2.0] * NUM_ENGINE_BUCKETS
     assert thresholds.spike.tolist() == [3.0] * NUM_ENGINE_BUCKETS
+
+
+def test_a_noisy_bucket_gets_a_larger_drift_allowance():
+    """Healthy but noisy tokens (σ ≈ 1.5 nats around the centre) would random-walk the CUSUM past its threshold
+    with the configured allowance; calibration raises that bucket's allowance from its measured spread."""
+    config = GuardConfig(**ONLY_DETECTOR, spike_excess=None, calibration_warmup_tokens=3000)
+    generator = torch.Generator().manual_seed(3)
+
+    def noisy(batch: int = 32, length: int = 128) -> RolloutEvidence:
+        engine = torch.full((batch, length), -2.0)  # one bucket: [−3, −1.5)
+        trainer = (engine - 1.5 * torch.randn(batch, length, generator=generator)).clamp(max=-0.01)
+        return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
+
+    guard = RolloutGuard(config)
+    for step in range(1, 4):
+        guard.inspect(noisy(), step=step)
+    allowance = guard.calibration.thresholds().allowance
+    assert float(allowance[1]) > 0.7 and float(allowance[3]) == pytest.approx(2.0)  # bucket 3 never warmed up
+    assert not guard.inspect(noisy(), step=4).suspect.any()
+    fixed = Thresholds(torch.zeros(NUM_ENGINE_BUCKETS), torch.full((NUM_ENGINE_BUCKETS,), 0.5), torch.full((NUM_ENGINE_BUCKETS,), 99.0))
+    from rollout_guard.statistics import summarise
+    samples = summarise(noisy(), config, fixed)[0]
+    assert (samples[:, COLUMN["drift_cusum"]] > config.drift_threshold).float().mean() > 0.5, "control: 0.5 nats is too little here"

@@ -107,3 +107,20 @@ def read_tables(paths: Sequence[str | Path]):
 
     tables = [pq.read_table(path) for path in paths]
     return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+
+
+def fixed_subset(table, clean_per_source: int, faulty_per_kind: int, seed: int = 0):
+    """A small, fixed sample of a rollout table for the regression test: per source, ``clean_per_source`` clean
+    rows spread over its sampling settings and ``faulty_per_kind`` rows of each model-generated fault."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    generator = np.random.default_rng(seed)
+    parts = []
+    for source in sorted(set(table.column("source").to_pylist())):
+        of_source = table.filter(pc.equal(table.column("source"), source))
+        for fault in sorted(set(of_source.column("fault").to_pylist())):
+            rows = of_source.filter(pc.equal(of_source.column("fault"), fault))
+            count = min(rows.num_rows, clean_per_source if fault == "none" else faulty_per_kind)
+            parts.append(rows.take(np.sort(generator.choice(rows.num_rows, count, replace=False))))
+    return pa.concat_tables(parts)
