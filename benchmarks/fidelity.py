@@ -136,7 +136,11 @@ def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[
 
 
 def plot_sweep(curves: dict[str, list[float]], factors: torch.Tensor, path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the curves are in sweep-<preset>.json; draw them where matplotlib is installed
+        print(f"matplotlib is not installed: {path.name} not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -194,6 +198,7 @@ def main(
     fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream"),
     mask_truncated: bool = typer.Option(False, help="as TRL's mask_truncated_completions=True: truncated rows' loss mask is zero"),
     seed: int = typer.Option(0),
+    device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
     out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for results.json, results.md, sweep.png"),
 ) -> None:
     paths = sorted(glob.glob(data))
@@ -208,7 +213,7 @@ def main(
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
-                        mask_truncated=mask_truncated)
+                        mask_truncated=mask_truncated, device=device)
         judged_all.append(judged)
         f = figures(judged, config)
         results.append({"condition": name, "params": params, "figures": f})
@@ -232,6 +237,7 @@ def main(
         f"false quarantines. Recall cells in %, ✗ = below goal. Overall: {'PASS' if all_pass else 'FAIL'}.\n\n{table_md}\n")
     factors = torch.logspace(-1, 1, 21)
     curves = sweep(judged_all, config, factors)
+    (out / f"sweep-{preset_name}.json").write_text(json.dumps({"factors": factors.tolist(), "curves": curves}))
     plot_sweep(curves, factors, out / f"sweep-{preset_name}.png",
                f"preset {preset_name}: every nat threshold scaled ×0.1…×10 (pooled over conditions)")
     print(table_md)

@@ -60,14 +60,15 @@ class Judged:
                 torch.cat(self.tokens))
 
 
-def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool) -> RolloutEvidence:
+def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, device: str = "cpu") -> RolloutEvidence:
     mask = rows.mask if judge_truncated else rows.mask & ~rows.truncated.unsqueeze(1)
-    return RolloutEvidence(mask=mask, engine_logprobs=rows.engine, trainer_logprobs=rows.trainer, injected=injected)
+    return RolloutEvidence(mask=mask.to(device), engine_logprobs=rows.engine.to(device), trainer_logprobs=rows.trainer.to(device),
+                           injected=injected.to(device))
 
 
 def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, generator: torch.Generator,
            step_rows: int = 256, fault_share: float = 0.02, mask_truncated: bool = False,
-           make_guard=None) -> Judged:
+           make_guard=None, device: str = "cpu") -> Judged:
     """Feed one noise condition to a fresh guard as a stream of training steps.
 
     Phase 1 streams every clean row once, in data order, ``step_rows`` per step, with ``fault_share`` of each step
@@ -76,7 +77,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     step and are not counted (false quarantines are counted on unique clean rows only).
     ``mask_truncated``: TRL's ``mask_truncated_completions=True`` zeroes truncated rows' loss mask before the guard.
     """
-    guard = make_guard(config) if make_guard is not None else RolloutGuard(config)
+    guard = make_guard(config) if make_guard is not None else RolloutGuard(config, device=device)
     judged = Judged()
     names = list(faulty)
     cursors = dict.fromkeys(names, 0)
@@ -105,7 +106,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     def judge(parts: list[Rollouts], labels: list[str], counted: torch.Tensor, step: int) -> None:
         rows = cat(parts)
         injected = torch.tensor([label != "clean" for label in labels])
-        report = guard.inspect(_evidence(rows, injected, not mask_truncated), step=step)
+        report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step)
         judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1))
 
     step = 0
