@@ -55,8 +55,8 @@ def stat(evidence: RolloutEvidence, name: str, config: GuardConfig | None = None
 
 def test_spike_only_where_one_side_finds_the_token_likely():
     # a 10-nat gap on a token both sides find unlikely (healthy tail), on an engine-likely one, and reversed
-    engine = [[-8.0, -0.1], [-0.2, -0.1], [-12.0, -0.1]]
-    trainer = [[-18.0, -0.1], [-10.2, -0.1], [-2.0, -0.1]]
+    engine = [[-8.0, -0.1], [-0.2, -0.1], [-11.0, -0.1]]
+    trainer = [[-18.0, -0.1], [-10.2, -0.1], [-1.0, -0.1]]
     margin = stat(rows(engine, trainer), "spike_margin")
     assert math.isclose(margin[0], 0.0 - 3.0, abs_tol=1e-5), "the tail token is no candidate; the equal token is"
     assert margin[1] == pytest.approx(10.0 - 3.0) and margin[2] == pytest.approx(10.0 - 3.0)
