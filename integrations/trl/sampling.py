@@ -60,4 +60,4 @@ def processed_logprobs_warning(trainer: Any) -> str | None:
     return ("rollout_guard: the engine reports logprobs after " + "; ".join(changes) + ", while the trainer applies "
             "only the temperature. Clean samples then differ by that much on every token: expect mean_drift and "
             "token_spike to fire more (raise mean_delta/spike_delta accordingly, or sample with top_p=1, top_k=0, "
-            "no penalties), and measure it with `rollout-guard audit` at the same settings.")
+            "no penalties); measure clean |Δ| at these settings before relying on the default thresholds.")

@@ -1,16 +1,18 @@
-"""Attach-time checks on a real TRL GRPOTrainer (built, not trained: no engine starts)."""
+"""Attach-time checks on a real TRL GRPOTrainer (transformers rollouts, no vLLM), in this process."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+from pathlib import Path
 
 import pytest
 
 from rollout_guard.errors import GuardError
 
 
-def make_trainer(model_dir, out, **overrides):
+def make_trainer(model_dir, out, rollouts=None, **overrides):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -27,7 +29,7 @@ def make_trainer(model_dir, out, **overrides):
         return [copy_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
 
     return GRPOTrainer(model=str(model_dir), reward_funcs=copy_accuracy, args=GRPOConfig(**settings), train_dataset=dataset,
-                       rollout_func=TransformersRollouts())
+                       rollout_func=rollouts or TransformersRollouts())
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +70,23 @@ def test_default_sampling_says_nothing(trainer):
     from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, support_changes
 
     assert support_changes(trainer) == [] and processed_logprobs_warning(trainer) is None
+
+
+def test_circuit_breaker_can_raise_after_writing_everything(tiny_model_dir, tmp_path):
+    """Issue 9 point 12: with on_ceiling="raise", trainer.train() raises once records, metrics and summary are written."""
+    from rollout_guard import CircuitBreakerTripped, GuardConfig, read_records
+    from rollout_guard.integrations.hf_rollouts import TransformersRollouts
+    from rollout_guard.integrations.trl import attach_guard
+
+    trainer = make_trainer(tiny_model_dir, tmp_path / "trainer", rollouts=TransformersRollouts(stale_context_rate=0.9, seed=3),
+                           max_steps=4)
+    guarded = attach_guard(trainer, GuardConfig(max_quarantine_share=0.5, on_ceiling="raise", output_dir=str(tmp_path / "guard")))
+    with pytest.raises(CircuitBreakerTripped, match="rollout_guard stopped training: .* above max_quarantine_share=0.5"):
+        trainer.train()
+    assert trainer.state.global_step == 0, "raised inside the first step, before its update"
+    guard_dir = Path(guarded.output_dir)
+    summary = json.loads((guard_dir / "summary.json").read_text())
+    assert summary["stopped"].startswith("rollout_guard stopped training") and summary["steps"] == 1
+    assert [json.loads(line)["step"] for line in (guard_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    records = list(read_records(guard_dir / "quarantine"))
+    assert len(records) == summary["suspect"] > 4 and {r.step for r in records} == {1}

@@ -7,7 +7,6 @@ those rows, for every loss type, even when those rows hold NaN or ±inf.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -41,9 +40,14 @@ def load(out: Path, name: str = "result.pt") -> dict:
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, tiny_model_dir):
+    """Transformers rollouts need no engine process: this one runs here (saves a Python start and the imports)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_matrix", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     out = tmp_path_factory.mktemp("matrix")
-    code, log = run_matrix("matrix", out, tiny_model_dir, steps=8)
-    assert code == 0, log[-6000:]
+    script.run("matrix", out, str(tiny_model_dir), steps=8)
     return load(out)
 
 
@@ -170,16 +174,3 @@ def test_groups_spanning_processes_and_failures_on_one_process(tmp_path, tiny_mo
         normalisers = {int(r["guarded"][step]["num_items_in_batch"]) for r in ranks}
         assert normalisers == {sum(int(loss_mask(r["guarded"][step]).sum()) for r in ranks)}
     assert sum(int(torch.cat([r["injected"][s] for r in ranks]).sum()) for s in range(2)) >= 2
-
-
-def test_circuit_breaker_can_raise_after_writing_everything(tmp_path, tiny_model_dir):
-    code, log = run_matrix("raise", tmp_path, tiny_model_dir, steps=4)
-    result = load(tmp_path)
-    assert code != 0 and result["error"].startswith("CircuitBreakerTripped: rollout_guard stopped training"), log[-4000:]
-    assert result["global_step"] == 0, "raised inside the first step, before its update"
-    guard_dir = Path(result["guard_dir"])
-    summary = json.loads((guard_dir / "summary.json").read_text())
-    assert summary["stopped"].startswith("rollout_guard stopped training") and summary["steps"] == 1
-    assert [json.loads(line)["step"] for line in (guard_dir / "metrics.jsonl").read_text().splitlines()] == [1]
-    records = list(read_records(guard_dir / "quarantine"))
-    assert len(records) == result["summary"]["suspect"] > 4 and {r.step for r in records} == {1}

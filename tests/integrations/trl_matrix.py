@@ -17,7 +17,6 @@ Scenarios (each saves ``result.pt``, or ``result-rank<N>.pt`` under several proc
 * ``span`` (two processes): groups spanning processes (6 rows per process, groups of 4), injection; at step 3 one
   process loses the reward matrix (every process must skip the step), at step 4 one process's replica of TRL's
   advantages differs (every process must raise).
-* ``raise``: the circuit breaker with ``on_ceiling="raise"``.
 """
 
 from __future__ import annotations
@@ -177,10 +176,6 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
         settings.update(per_device_train_batch_size=6, use_vllm=False)
         rollouts = TransformersRollouts(stale_context_rate=0.3, seed=2)
         reward_funcs = [copy_accuracy, brevity]
-    elif name == "raise":
-        settings.update(per_device_train_batch_size=8, use_vllm=False)
-        rollouts = TransformersRollouts(stale_context_rate=0.9, seed=3)
-        guard_config = GuardConfig(max_quarantine_share=0.5, on_ceiling="raise")
     else:
         raise ValueError(name)
 
@@ -252,7 +247,7 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["matrix", "loss", "span", "raise"])
+    parser.add_argument("scenario", choices=["matrix", "loss", "span"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=4)
