@@ -185,4 +185,8 @@ if __name__ == "__main__":
 
     enable_stale_mamba_state_fault()
     print(f"FAULT INJECTION FOR TESTS: {FAULT_NAME} is on in this process", file=sys.stderr)
-    app(prog_name="rollout-guard")
+    try:
+        app(prog_name="rollout-guard")
+    finally:
+        print(f"fault fired: {FAULT_STATS['new_rows_run_as_decode']} new 1-token requests ran as decodes "
+              f"({FAULT_STATS['batches']} batches)", file=sys.stderr)

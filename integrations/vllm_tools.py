@@ -64,10 +64,13 @@ class StressSettings:
         """``--stress``: 8 concurrent requests, a token budget of one token per request (a newcomer next to 7
         decoding requests gets exactly one token: vLLM PR #32118's trigger), 4 cache blocks per concurrent request,
         prefix caching on, 3 rounds, varied lengths. Arguments override single knobs."""
-        seqs = max_num_seqs or 8
-        return cls(max_num_batched_tokens=max_num_batched_tokens or seqs, max_num_seqs=seqs,
-                   cache_blocks=cache_blocks or 4 * seqs, prefix_caching=True if prefix_caching is None else prefix_caching,
-                   rounds=rounds or 3, vary_lengths=True)
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        seqs = given(max_num_seqs, 8)
+        return cls(max_num_batched_tokens=given(max_num_batched_tokens, seqs), max_num_seqs=seqs,
+                   cache_blocks=given(cache_blocks, 4 * seqs), prefix_caching=given(prefix_caching, True),
+                   rounds=given(rounds, 3), vary_lengths=True)
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
@@ -194,9 +197,11 @@ def check_audit_inputs(prompt_file: Path | None, samples: int, max_tokens: int, 
     if not 0.0 <= inject_rate <= 1.0:
         raise AuditUsageError(f"--inject-rate {inject_rate}: use a share of samples between 0 and 1")
     for name, value in (("--max-num-batched-tokens", stress.max_num_batched_tokens), ("--max-num-seqs", stress.max_num_seqs),
-                        ("--cache-blocks", stress.cache_blocks), ("--rounds", stress.rounds)):
+                        ("--cache-blocks", stress.cache_blocks)):
         if value is not None and value < 1:
             raise AuditUsageError(f"{name} {value}: use a positive number")
+    if stress.rounds < 1:
+        raise AuditUsageError(f"--rounds {stress.rounds}: use a positive number")
     if (stress.max_num_batched_tokens is not None and stress.max_num_seqs is not None
             and stress.max_num_batched_tokens < stress.max_num_seqs):
         raise AuditUsageError(f"--max-num-batched-tokens {stress.max_num_batched_tokens} is below --max-num-seqs "
@@ -259,11 +264,18 @@ def model_max_len(model: str) -> int | None:
 
 
 def load_transformers(model: str, dtype: str) -> tuple[Any, Any]:
+    """The transformers model (eval mode, on the GPU if there is one) and tokenizer; :class:`AuditUsageError` with
+    transformers' own message when they cannot be loaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval(), AutoTokenizer.from_pretrained(model)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval(), AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError, KeyError) as error:
+        message = " ".join(str(error).split())[:300]
+        raise AuditUsageError(f"transformers could not load {model} ({type(error).__name__}: {message}); pass a causal LM "
+                              f"folder with its tokenizer") from error
 
 
 def padded(rows: list[list[float | None]], width: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ pattern                   shape of the per-token |Δ| (recorded engine vs re-sco
 ``isolated_spikes``       high on a few tokens (≤ ``spike_max_tokens``), low elsewhere                kernel, numeric
 ``late_onset``            low for the first part, then high for most of the rest                      drift, cache
                                                                                                       growth
-``every_token``           high on (nearly) every token, and a fresh engine reproduces it              weights, dtype
+``every_token``           high from the first tokens on, and a fresh engine given the prompt          weights, dtype
+                          reproduces it
 ``not_reproducible``      the re-scored trainer agrees with the recorded engine on every token         trainer side at
                           (what disagreed at the step was the recorded trainer logprobs)              that step
 ========================  ==========================================================================  ===============
@@ -72,8 +73,8 @@ def _nan_as_inf(values: torch.Tensor) -> torch.Tensor:
 
 
 def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, *, token_threshold: float = 1.0,
-                     spike_max_tokens: int = 3, start_tokens: int = 2, start_share: float = 0.2, persistence: float = 0.5,
-                     every_token_share: float = 0.9) -> Pattern:
+                     spike_max_tokens: int = 3, start_tokens: int = 2, start_share: float = 0.2,
+                     persistence: float = 0.5) -> Pattern:
     """Name the pattern of one sample's disagreement.
 
     Args:
@@ -90,14 +91,14 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
             later is ``late_onset``. Defaults 2 tokens and 0.2 (the fault zoo's late onset is the last 10–20 %).
         persistence: share (0–1) of high tokens from the onset to the end for a divergence to count as
             persistent rather than spikes. Default 0.5.
-        every_token_share: share (0–1) of high tokens over the sample for ``every_token``. Default 0.9.
 
     Persistent means: high on at least ``persistence`` of the tokens from the onset on, and either more than
     ``spike_max_tokens`` high tokens or a run of at least two high tokens to the end (or a sample whose every
     token is high). A fresh engine that reproduces the disagreement (high on at least half of the high tokens)
-    means the prompt alone explains it (weights, dtype, kernels): a persistent one is then ``every_token`` when
-    it covers ``every_token_share`` of the sample. One that a fresh engine does not reproduce came from state at
-    generation time (``divergent_from_start``, ``late_onset``).
+    means the prompt alone explains it (weights, dtype, kernels): a persistent one from the start is then
+    ``every_token``. One that a fresh engine does not reproduce came from state at generation time
+    (``divergent_from_start``, ``late_onset``); without a fresh engine the two cannot be told apart and a
+    persistent disagreement from the start is reported as ``divergent_from_start``.
 
     >>> classify_pattern(torch.tensor([5.0, 6.0, 4.0, 7.0, 5.0])).name
     'divergent_from_start'
@@ -135,8 +136,6 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
     persistent = high_tokens >= persistence * tail and (high_tokens > spike_max_tokens or run_to_end)
     if not persistent:
         return pattern("isolated_spikes", onset)
-    if reproduces and high_tokens >= every_token_share * tokens:
-        return pattern("every_token", onset)
-    if onset < max(start_tokens, start_share * tokens):
-        return pattern("divergent_from_start", onset)
-    return pattern("late_onset", onset)
+    if onset >= max(start_tokens, start_share * tokens):
+        return pattern("late_onset", onset)
+    return pattern("every_token" if reproduces else "divergent_from_start", onset)

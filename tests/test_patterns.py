@@ -73,9 +73,11 @@ def test_fresh_engine_separates_weights_from_state():
     assert classify_pattern(every, fresh=torch.full((12,), 2.4)).name == "every_token"
     assert classify_pattern(every, fresh=torch.full((12,), LOW)).name == "divergent_from_start"
     assert classify_pattern(every).name == "divergent_from_start"
-    # the fresh engine reproduces, but only 10 of 12 tokens are high (< 0.9): not "every token"
-    most = profile(12, range(2, 12))
-    assert classify_pattern(most, fresh=most.clone(), start_tokens=3).name == "divergent_from_start"
+    # reproduced from the start, with a token that agrees: still weights or dtype; reproduced late: late onset
+    most = profile(12, [0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    assert classify_pattern(most, fresh=most.clone()).name == "every_token"
+    late = profile(12, range(6, 12))
+    assert classify_pattern(late, fresh=late.clone()).name == "late_onset"
     # reproduces on exactly half of the high tokens counts as reproducing
     half = torch.full((12,), LOW)
     half[:6] = HIGH
