@@ -29,7 +29,8 @@ fast; a never-used slot is zeros, on which the decode path happens to compute th
 
 Works with an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by :func:`enable_stale_mamba_state_fault`;
 an engine-core subprocess would not see the patch) and inside TRL's colocate engine (in-process): call
-:func:`enable_stale_mamba_state_fault_in_trl` before the ``GRPOTrainer`` is built.
+:func:`enable_stale_mamba_state_fault_in_trl` before the ``GRPOTrainer`` is built (and, for the control run with
+the same engine settings and no fault, :func:`stress_trl_colocate_engine`).
 
     with stale_mamba_state_fault():
         llm = vllm.LLM(model, dtype="bfloat16", enforce_eager=True, **stress_engine_kwargs())
@@ -153,27 +154,41 @@ def stress_engine_kwargs(max_num_seqs: int = 8, max_num_batched_tokens: int | No
     }
 
 
-def enable_stale_mamba_state_fault_in_trl(max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
-                                          num_state_slots: int | None = None) -> None:
-    """Turn the fault on for TRL's colocate engine: call once before ``GRPOTrainer(...)`` is built (after
-    ``enable_trl_colocate_on_vllm_cpu`` if you use it). Besides :func:`enable_stale_mamba_state_fault`, it wraps
-    the ``LLM`` that TRL's colocate mode constructs so that it gets :func:`stress_engine_kwargs` (TRL hard-codes
-    ``max_num_batched_tokens=4096``, under which a new request never gets a single token)."""
+def stress_trl_colocate_engine(max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
+                               num_state_slots: int | None = None) -> dict[str, Any]:
+    """Make the ``LLM`` that TRL's colocate mode constructs use :func:`stress_engine_kwargs` (TRL hard-codes
+    ``max_num_batched_tokens=4096``, under which a new request never gets a single token). No fault by itself:
+    the control run of a fault test. Call before ``GRPOTrainer(...)``; a later call replaces the settings.
+    Returns the settings."""
     import trl.generation.vllm_generation as vllm_generation
 
+    _TRL_STRESS.clear()
+    _TRL_STRESS.update(stress_engine_kwargs(max_num_seqs, max_num_batched_tokens, num_state_slots))
+    if not getattr(vllm_generation.LLM, "_rollout_guard_stress", False):
+        original_llm = vllm_generation.LLM
+
+        @functools.wraps(original_llm)
+        def llm_under_stress(*args: Any, **kwargs: Any) -> Any:
+            kwargs.update(_TRL_STRESS)
+            return original_llm(*args, **kwargs)
+
+        llm_under_stress._rollout_guard_stress = True  # type: ignore[attr-defined]
+        vllm_generation.LLM = llm_under_stress
+    return dict(_TRL_STRESS)
+
+
+_TRL_STRESS: dict[str, Any] = {}
+
+
+def enable_stale_mamba_state_fault_in_trl(max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
+                                          num_state_slots: int | None = None) -> dict[str, Any]:
+    """Turn the fault on for TRL's colocate engine: call once before ``GRPOTrainer(...)`` is built (after
+    ``enable_trl_colocate_on_vllm_cpu(dtype="bfloat16")`` on the CPU build: Mamba2 runs in bf16 only there).
+    :func:`stress_trl_colocate_engine` plus :func:`enable_stale_mamba_state_fault`; returns the engine settings.
+    :data:`FAULT_STATS` counts the firings."""
+    settings = stress_trl_colocate_engine(max_num_seqs, max_num_batched_tokens, num_state_slots)
     enable_stale_mamba_state_fault()
-    if getattr(vllm_generation.LLM, "_rollout_guard_fault", False):
-        return
-    stress = stress_engine_kwargs(max_num_seqs, max_num_batched_tokens, num_state_slots)
-    original_llm = vllm_generation.LLM
-
-    @functools.wraps(original_llm)
-    def llm_under_stress(*args: Any, **kwargs: Any) -> Any:
-        kwargs.update(stress)
-        return original_llm(*args, **kwargs)
-
-    llm_under_stress._rollout_guard_fault = True  # type: ignore[attr-defined]
-    vllm_generation.LLM = llm_under_stress
+    return settings
 
 
 if __name__ == "__main__":
