@@ -47,11 +47,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = build_model(args.architecture, args.hidden_size, args.layers, args.vocab, dtype)
+    model = build_model(args.architecture, args.hidden_size, args.layers, args.vocab, dtype).to(args.device)
+    synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     rng = random.Random(0)
     prompts = [[rng.randrange(args.vocab) for _ in range(rng.randint(*args.prompt_tokens))] for _ in range(args.rows)]
     completions = [[rng.randrange(args.vocab) for _ in range(rng.randint(*args.completion_tokens))] for _ in range(args.rows)]
@@ -59,17 +61,20 @@ def main() -> None:
     rescore(model, prompts[:4], completions[:4])  # warm-up
     rescore_per_sample(model, prompts[:4], completions[:4])
 
+    synchronize()
     started = time.perf_counter()
     batched = rescore(model, prompts, completions, max_batch_tokens=args.max_batch_tokens)
+    synchronize()
     batched_s = time.perf_counter() - started
     started = time.perf_counter()
     loop = rescore_per_sample(model, prompts, completions)
+    synchronize()
     loop_s = time.perf_counter() - started
 
     difference = max(abs(a - b) for x, y in zip(batched, loop, strict=True) for a, b in zip(x, y, strict=True))
     ratio = loop_s / batched_s
-    print(f"model: {args.architecture} {args.layers} × {args.hidden_size}, vocab {args.vocab}, {args.dtype}, "
-          f"torch threads {torch.get_num_threads()}")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, torch threads {torch.get_num_threads()}"
+    print(f"model: {args.architecture} {args.layers} × {args.hidden_size}, vocab {args.vocab}, {args.dtype}, {where}")
     print(f"rollouts: {args.rows}, completion tokens: {tokens}, prompt tokens: {sum(map(len, prompts))}")
     print(f"per-sample loop: {loop_s:8.2f} s  {tokens / loop_s:10.0f} tokens/s")
     print(f"batched rescore: {batched_s:8.2f} s  {tokens / batched_s:10.0f} tokens/s")

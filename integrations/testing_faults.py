@@ -198,6 +198,7 @@ if __name__ == "__main__":
 
     from rollout_guard.cli import app
 
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as the CLI does; the patch imports vLLM before it runs
     enable_stale_mamba_state_fault()
     print(f"FAULT INJECTION FOR TESTS: {FAULT_NAME} is on in this process", file=sys.stderr)
     try:

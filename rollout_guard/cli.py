@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -32,6 +33,11 @@ def report(
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     typer.echo(str(path))
+
+
+def _quiet_vllm() -> None:
+    """vLLM logs INFO lines to stdout; keep the command's own output readable (set VLLM_LOGGING_LEVEL to see them)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def _fail(message: str) -> typer.Exit:
@@ -81,6 +87,7 @@ def audit(
     from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, StressSettings, check_audit_inputs, check_model
     from rollout_guard.integrations.vllm_tools import audit as run_audit
 
+    _quiet_vllm()
     if stress:
         settings = StressSettings.stress(max_num_seqs, max_num_batched_tokens, cache_blocks, prefix_caching, rounds)
     else:
@@ -160,6 +167,7 @@ def replay(
     from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, check_model, replay_many
     from rollout_guard.store import read_records
 
+    _quiet_vllm()
     if not store.exists():
         raise _fail(f"STORE {store}: no such folder or file; pass the quarantine folder the guard wrote "
                     f"(OUTPUT/rollout_guard/quarantine, or audit's -o DIR/quarantine)")

@@ -67,6 +67,16 @@ def abs_delta(engine: torch.Tensor, trainer: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(delta), delta, torch.full_like(delta, math.inf))
 
 
+def longest_run(flags: torch.Tensor) -> int:
+    """Length of the longest run of consecutive True values in a 1-D bool tensor.
+
+    >>> longest_run(torch.tensor([True, False, True, True, False]))
+    2
+    """
+    edges = torch.nonzero(torch.diff(torch.nn.functional.pad(flags.int(), (1, 1)))).flatten()
+    return int((edges[1::2] - edges[0::2]).max()) if edges.numel() else 0
+
+
 def _nan_as_inf(values: torch.Tensor) -> torch.Tensor:
     values = values.double()
     return torch.where(torch.isnan(values), torch.full_like(values, math.inf), values)
@@ -93,8 +103,8 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
             persistent rather than spikes. Default 0.5.
 
     Persistent means: high on at least ``persistence`` of the tokens from the onset on, and either more than
-    ``spike_max_tokens`` high tokens or a run of at least two high tokens to the end (or a sample whose every
-    token is high). A fresh engine that reproduces the disagreement (high on at least half of the high tokens)
+    ``spike_max_tokens`` high tokens, or at least two consecutive high tokens, or every token high. Otherwise the
+    high tokens are isolated spikes. A fresh engine that reproduces the disagreement (high on at least half of the high tokens)
     means the prompt alone explains it (weights, dtype, kernels): a persistent one from the start is then
     ``every_token``. One that a fresh engine does not reproduce came from state at generation time
     (``divergent_from_start``, ``late_onset``); without a fresh engine the two cannot be told apart and a
@@ -132,8 +142,8 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
         return pattern("not_reproducible")
     onset = int(high.int().argmax())
     tail = tokens - onset  # every high token is at or after the onset
-    run_to_end = high_tokens == tail and (high_tokens >= 2 or onset == 0)
-    persistent = high_tokens >= persistence * tail and (high_tokens > spike_max_tokens or run_to_end)
+    persistent = high_tokens >= persistence * tail and (
+        high_tokens > spike_max_tokens or longest_run(high) >= 2 or (onset == 0 and high_tokens == tail))
     if not persistent:
         return pattern("isolated_spikes", onset)
     if onset >= max(start_tokens, start_share * tokens):

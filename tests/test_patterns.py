@@ -41,6 +41,10 @@ def test_docstring_examples():
         (profile(12, []), "not_reproducible"),
         (torch.zeros(0), "not_reproducible"),
         (profile(1, [0]), "divergent_from_start"),
+        (profile(4, [0, 1, 2]), "divergent_from_start"),  # a short stale-state sample whose EOS agrees (seen on vLLM)
+        (profile(4, [0, 2]), "isolated_spikes"),  # two isolated tokens, though half of the sample
+        (profile(20, [5, 6]), "isolated_spikes"),  # a pair, but 2 of 15 tail tokens
+        (profile(20, [18, 19]), "late_onset"),  # a pair at the end reads as an onset
     ],
 )
 def test_shapes(delta, expected):
