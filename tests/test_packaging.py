@@ -16,7 +16,8 @@ def test_wheel_maps_integrations_under_the_package(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     wheel = next(tmp_path.glob("rollout_guard-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("trl", "vllm_cpu", "hf_rollouts", "wandb", "trackio", "tiny_model", "vllm_tools"):
+    for module in ("trl", "vllm_cpu", "hf_rollouts", "wandb", "trackio", "tiny_model", "vllm_tools", "rescoring",
+                   "testing_faults"):
         assert f"rollout_guard/integrations/{module}.py" in names, module
     assert not any(name.startswith(("integrations/", "tests/", "examples/")) for name in names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
