@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rollout_guard.extras import require_extra
@@ -37,86 +38,175 @@ def report(
     typer.echo(str(path))
 
 
+def _quiet_vllm() -> None:
+    """vLLM logs INFO lines to stdout; keep the command's own output readable (set VLLM_LOGGING_LEVEL to see them)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _fail(message: str) -> typer.Exit:
+    """One line on stderr, exit code 2 (usage or environment error)."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
 @app.command()
 def audit(
     model: str = typer.Argument(..., help="Model folder (or hub id already in the local cache) that vLLM and transformers load."),
     prompts: Path | None = typer.Option(None, help="Prompts, one per line (.txt) or {'prompt': ...} per line (.jsonl). "
                                         "Default: random token prompts."),
     random_prompts: int = typer.Option(16, help="How many random token prompts when no --prompts file is given."),
-    prompt_tokens: int = typer.Option(8, help="Tokens per random prompt."),
-    samples: int = typer.Option(4, help="Completions per prompt."),
-    max_tokens: int = typer.Option(32, help="Tokens per completion."),
+    prompt_tokens: int = typer.Option(8, help="Tokens per random prompt (with --stress: 1 to 2 × this)."),
+    samples: int = typer.Option(4, help="Completions per prompt (per round)."),
+    max_tokens: int = typer.Option(32, help="Tokens per completion (with --stress: each request draws its limit from "
+                                   "[max/4, max])."),
     temperature: float = typer.Option(1.0),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16, for vLLM and transformers alike."),
+    trainer_dtype: str | None = typer.Option(None, help="dtype of the transformers model only (default: --dtype), e.g. "
+                                             "float32 next to a bfloat16 engine."),
     inject_rate: float = typer.Option(0.0, help="Share of samples to corrupt with stale context (to see the guard fire)."),
     seed: int = typer.Option(0),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the guard's local files (and records) here."),
+    stress: bool = typer.Option(False, "--stress", help="Run under the conditions in which cache-recycling bugs show: "
+                                "8 concurrent requests, a token budget of 8 per step (a new request next to 7 decoding "
+                                "ones gets one token), 32 cache blocks, prefix caching on, 3 rounds, varied lengths. "
+                                "The options below override single conditions."),
+    max_num_batched_tokens: int | None = typer.Option(None, help="vLLM token budget per engine step."),
+    max_num_seqs: int | None = typer.Option(None, help="vLLM concurrent requests."),
+    cache_blocks: int | None = typer.Option(None, help="vLLM KV/state cache blocks (num_gpu_blocks_override): few blocks "
+                                            "recycle cache slots fast."),
+    prefix_caching: bool | None = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="vLLM prefix caching."),
+    rounds: int | None = typer.Option(None, help="Generate every prompt this many times with one engine (default 1; "
+                                      "3 with --stress)."),
+    show: int = typer.Option(20, help="How many suspect samples to list."),
 ) -> None:
     """Sample with vLLM, score the same tokens with transformers, judge every sample as in training.
 
-    Exit code 0 when every sample is clean (with --inject-rate: when exactly the injected ones are flagged)."""
+    Exit code 0: every sample agrees (with --inject-rate: exactly the injected ones are flagged). 1: suspect
+    samples found. 2: usage or environment error (one line on stderr, before any engine starts)."""
     from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, StressSettings, check_audit_inputs, check_model
     from rollout_guard.integrations.vllm_tools import audit as run_audit
 
-    result = run_audit(model, prompt_file=prompts, samples_per_prompt=samples, max_tokens=max_tokens, temperature=temperature,
-                       dtype=dtype, inject_rate=inject_rate, seed=seed, output_dir=output, random_prompt_count=random_prompts,
-                       random_prompt_tokens=prompt_tokens)
-    metrics = result.report.metrics
+    _quiet_vllm()
+    if stress:
+        settings = StressSettings.stress(max_num_seqs, max_num_batched_tokens, cache_blocks, prefix_caching, rounds)
+    else:
+        settings = StressSettings(max_num_batched_tokens, max_num_seqs, cache_blocks, prefix_caching, rounds or 1)
+    try:
+        check_audit_inputs(prompts, samples, max_tokens, temperature, dtype, inject_rate, settings, random_prompts, prompt_tokens)
+        if trainer_dtype is not None and trainer_dtype not in DTYPES:
+            raise AuditUsageError(f"--trainer-dtype {trainer_dtype}: use one of {', '.join(DTYPES)}")
+        check_model(model)
+    except AuditUsageError as error:
+        raise _fail(str(error)) from error
     console = Console()
-    table = Table(title=f"rollout-guard audit: {model} ({dtype})", show_header=False)
+    console.print("conditions: " + "; ".join(settings.lines()), highlight=False, soft_wrap=True)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True)
+    tasks: dict[str, object] = {}
+
+    def on_progress(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = progress.add_task({"generate": "vLLM rounds", "rescore": "re-scoring samples"}[phase], total=total)
+        progress.update(tasks[phase], completed=done)
+
+    try:
+        with progress:
+            result = run_audit(model, prompt_file=prompts, samples_per_prompt=samples, max_tokens=max_tokens,
+                               temperature=temperature, dtype=dtype, inject_rate=inject_rate, seed=seed, output_dir=output,
+                               random_prompt_count=random_prompts, random_prompt_tokens=prompt_tokens, stress=settings,
+                               on_progress=on_progress, trainer_dtype=trainer_dtype)
+    except AuditUsageError as error:
+        raise _fail(str(error)) from error
+    metrics = result.report.metrics
+    dtypes = dtype if trainer_dtype in (None, dtype) else f"vLLM {dtype}, transformers {trainer_dtype}"
+    table = Table(title=f"rollout-guard audit: {model} ({dtypes})", show_header=False)
     for key in ("samples", "tokens", "max_abs_delta", "mean_abs_delta", "p99_abs_delta", "kl_k3", "engine_mean_logprob",
                 "trainer_mean_logprob", "confident_wrong_tokens", "nonfinite_engine_tokens", "suspect", "caught", "missed", "false_alarms"):
         if key in metrics:
             table.add_row(key, format_value(metrics[key]))
     table.add_row("seconds (load / generate / score)", " / ".join(f"{v:.1f}" for v in result.seconds.values()))
     console.print(table)
-    worst = sorted(result.records, key=lambda r: -(r.stats.get("max_abs_delta") or 0))[:5]
-    for record in worst:
-        console.print(f"suspect row {record.row} ({', '.join(record.rules)}; max |Δ| {format_value(record.stats['max_abs_delta'])}): "
+    worst = sorted(result.records, key=lambda r: -(r.stats.get("max_abs_delta") or 0))
+    for record in worst[:show]:
+        console.print(f"suspect sample {record.row} (round {record.extra.get('round', 0)}; {', '.join(record.rules)}; "
+                      f"max |Δ| {format_value(record.stats['max_abs_delta'])}, first divergent token "
+                      f"{format_value(record.stats.get('first_divergent_token'))}): "
                       f"{record.prompt_text!r} -> {record.completion_text[:60]!r}", highlight=False, soft_wrap=True)
+    if len(worst) > show:
+        console.print(f"... and {len(worst) - show} more suspect samples" + (f" (all in {output}/quarantine)" if output else ""),
+                      highlight=False)
     if inject_rate > 0:
         clean = metrics.get("missed", 0) == 0 and metrics.get("false_alarms", 0) == 0
     else:
         clean = metrics["suspect"] == 0
-    console.print("verdict: " + ("agrees" if clean else "DISAGREES: see the suspect rows"), style="green" if clean else "bold red")
+    console.print("verdict: " + ("agrees" if clean else f"DISAGREES: {int(metrics['suspect'])} suspect samples of "
+                                 f"{int(metrics['samples'])}"), style="green" if clean else "bold red")
     raise typer.Exit(0 if clean else 1)
 
 
 @app.command()
 def replay(
-    store: Path = typer.Argument(..., help="A quarantine store folder or file (…/rollout_guard/quarantine)."),
+    store: Path = typer.Argument(..., help="A quarantine store folder or file (…/rollout_guard/quarantine, or audit's -o DIR/quarantine)."),
     step: int | None = typer.Option(None, help="Step of the record to replay."),
     row: int | None = typer.Option(None, help="Global row of the record (with --step)."),
     index: int = typer.Option(0, help="Otherwise: the index of the record in the store (0 = oldest)."),
+    all_records: bool = typer.Option(False, "--all", help="Replay every record of the store, one line each."),
     model: str | None = typer.Option(None, help="Model to score with (default: the record's model; pass the checkpoint "
                                      "of that step to reproduce the trainer's weights)."),
+    engine_model: str | None = typer.Option(None, help="Weights the fresh vLLM engine loads (default: --model); pass "
+                                            "the engine's weights when they may differ from the trainer's."),
     dtype: str = typer.Option("float32"),
     vllm: bool = typer.Option(True, help="Also score with a fresh vLLM engine."),
 ) -> None:
-    """Score a quarantined sample's tokens again, given its true prompt, and compare with what was recorded."""
+    """Score a quarantined sample's tokens again, given its true prompt, compare with what was recorded, and name
+    the pattern: divergent from the start, isolated spikes, late onset, every token, or not reproducible."""
     from rich.console import Console
     from rich.table import Table
 
-    from rollout_guard.integrations.vllm_tools import replay as run_replay
+    from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, check_model, replay_many
     from rollout_guard.store import read_records
 
-    records = list(read_records(store))
-    if step is not None:
-        chosen = [r for r in records if r.step == step and (row is None or r.global_row == row)]
+    _quiet_vllm()
+    if not store.exists():
+        raise _fail(f"STORE {store}: no such folder or file; pass the quarantine folder the guard wrote "
+                    f"(OUTPUT/rollout_guard/quarantine, or audit's -o DIR/quarantine)")
+    if dtype not in DTYPES:
+        raise _fail(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    try:
+        records = list(read_records(store))
+    except (ValueError, OSError) as error:
+        raise _fail(f"STORE {store}: {error}") from error
+    if not records:
+        raise _fail(f"STORE {store}: holds no quarantine records; nothing to replay")
+    if all_records:
+        chosen = records
+    elif step is not None:
+        chosen = [r for r in records if r.step == step and (row is None or r.global_row == row)][:1]
         if not chosen:
-            typer.echo(f"error: no record with step={step}" + (f" and row={row}" if row is not None else "") + f" in {store}; "
-                       f"steps present: {sorted({r.step for r in records})}", err=True)
-            raise typer.Exit(2)
-        record = chosen[0]
+            raise _fail(f"no record with step={step}" + (f" and row={row}" if row is not None else "") + f" in {store}; "
+                        f"steps present: {sorted({r.step for r in records})}")
     else:
         if not 0 <= index < len(records):
-            typer.echo(f"error: --index {index} is outside the store's {len(records)} records", err=True)
-            raise typer.Exit(2)
-        record = records[index]
-    result = run_replay(record, model=model, dtype=dtype, with_vllm=vllm)
+            raise _fail(f"--index {index} is outside the store's {len(records)} records (0 to {len(records) - 1})")
+        chosen = [records[index]]
+    try:
+        for name in {model or r.model for r in chosen} | ({engine_model} if engine_model else set()):
+            check_model(name)
+        results = replay_many(chosen, model=model, dtype=dtype, with_vllm=vllm, engine_model=engine_model)
+    except AuditUsageError as error:
+        raise _fail(str(error)) from error
     console = Console()
+    if all_records:
+        for result in results:
+            record = result.record
+            console.print(f"step {record.step} row {record.global_row}: {result.pattern.line()}", highlight=False, soft_wrap=True)
+        return
+    result = results[0]
+    record = result.record
     table = Table(title=f"replay: step {record.step}, rollout {record.global_row}, prompt {record.prompt_text!r}")
     for column in ("#", "token", "engine (recorded)", "trainer (recorded)", "trainer (replayed)", "engine (fresh)"):
         table.add_column(column, justify="right")
@@ -143,6 +233,7 @@ def replay(
         elif bool(fresh_report.suspect[0]):
             console.print("conclusion: the disagreement reproduces from the prompt alone: look at kernels, dtype or weights.",
                           style="bold")
+    console.print(result.pattern.line(), style="bold", highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""rollout-guard audit --stress on real vLLM CPU, with the engine-level stale-state fault of vLLM PR #32118
+reinstated (integrations/testing_faults.py, FAULT INJECTION FOR TESTS) and without it; replay names the patterns.
+
+The fault runs through ``python -m rollout_guard.integrations.testing_faults``: the same command line with the fault
+switched on in its process. Ground truth is the transformers re-scoring of every rollout (the audit's own).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_guard.integrations.tiny_model import MAMBA2_RECIPE, TinyModelRecipe, build_tiny_model, copy_prompt, random_letters
+from rollout_guard.records import QuarantineRecord
+from rollout_guard.store import read_records
+
+STRESS = ["--stress", "--dtype", "bfloat16", "--trainer-dtype", "float32", "--max-tokens", "12", "--rounds", "2"]
+
+
+def cli(*args: str, fault: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
+    module = "rollout_guard.integrations.testing_faults" if fault else "rollout_guard.cli"
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def explain(done: subprocess.CompletedProcess) -> str:
+    return done.stdout[-4000:] + done.stderr[-4000:]
+
+
+def metrics_of(out: Path) -> dict:
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.fixture(scope="module")
+def mamba2_dir(tiny_model_dir) -> Path:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # transformers' reference Mamba2 scan is made of small ops: one thread is faster
+    try:
+        return build_tiny_model(tiny_model_dir.parent, MAMBA2_RECIPE)  # the tests' model cache
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def copy_prompts(tmp_path_factory) -> Path:
+    rng = random.Random(5)
+    path = tmp_path_factory.mktemp("prompts") / "copy.txt"
+    path.write_text("\n".join(copy_prompt(random_letters(rng, TinyModelRecipe())) for _ in range(32)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def with_fault(tmp_path_factory, mamba2_dir, copy_prompts) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("fault_on")
+    return cli("audit", str(mamba2_dir), "--prompts", str(copy_prompts), *STRESS, "-o", str(out), fault=True), out
+
+
+def test_stale_state_fault_makes_audit_stress_exit_1_and_list_the_samples(with_fault):
+    done, out = with_fault
+    assert done.returncode == 1, explain(done)
+    assert "conditions: token budget per step (--max-num-batched-tokens): 8" in done.stdout
+    assert "DISAGREES" in done.stdout and "suspect sample" in done.stdout
+    fired = int(done.stderr.split("fault fired: ")[1].split()[0])
+    records = list(read_records(out / "quarantine"))
+    assert fired > 0 and len(records) >= 5, explain(done)
+    # every suspect sample disagrees strongly with transformers, from its first tokens (stale state read at token 0)
+    assert all(record.stats["max_abs_delta"] > 8.0 for record in records)
+    assert sum(record.stats["first_divergent_token"] == 0 for record in records) >= 0.8 * len(records)
+    assert len(records) <= fired + 2  # no corruption beyond the requests the fault touched (± bf16 borderline)
+
+
+def test_shipped_engine_agrees_on_the_same_prompts_and_stress(tmp_path, mamba2_dir, copy_prompts):
+    done = cli("audit", str(mamba2_dir), "--prompts", str(copy_prompts), *STRESS, "-o", str(tmp_path))
+    assert done.returncode == 0, explain(done)
+    assert "verdict: agrees" in done.stdout
+    metrics = metrics_of(tmp_path)
+    assert metrics["samples"] == 32 * 4 * 2 and metrics["suspect"] == 0
+    assert metrics["max_abs_delta"] < 1.0  # bf16 engine vs fp32 transformers: noise only (0.24–0.44 nats seen)
+
+
+def test_llama_audit_stress_splits_prompts_across_steps_and_agrees(tmp_path, tiny_model_dir):
+    """Prompts longer than the 8-token budget are split across engine steps: with a per-request seed the CPU build
+    raised 'CPU Generator does not use offset' there. Exit 0: the Llama-style engine agrees under stress."""
+    rng = random.Random(3)
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("\n".join(copy_prompt(random_letters(rng, TinyModelRecipe(min_letters=8, max_letters=8)) * 2)
+                               for _ in range(24)) + "\n")  # 17-token prompts
+    done = cli("audit", str(tiny_model_dir), "--prompts", str(prompts), "--stress", "--dtype", "bfloat16",
+               "--max-tokens", "12", "--rounds", "1", "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, explain(done)
+    assert "verdict: agrees" in done.stdout and metrics_of(tmp_path / "out")["samples"] == 96
+
+
+def edited(record: QuarantineRecord, engine: list[float], trainer: list[float] | None = None) -> QuarantineRecord:
+    data = record.to_json_dict()
+    data["engine_logprobs"] = engine
+    if trainer is not None:
+        data["trainer_logprobs"] = trainer
+    return QuarantineRecord.from_json_dict(data)
+
+
+def test_replay_names_the_patterns(tmp_path, with_fault):
+    """Real stale-state records, and records edited from them into the other shapes, through one `replay --all`."""
+    _, out = with_fault
+    from_start = [r for r in read_records(out / "quarantine") if r.stats["first_divergent_token"] == 0]
+    base = max(from_start, key=lambda r: len(r.completion_ids))  # the longest completion corrupted from token 0
+    n = len(base.completion_ids)
+    assert n >= 4
+    trainer = [float(v) for v in base.trainer_logprobs]  # the true prompt's logprobs of these tokens (fp32)
+
+    def shifted(indices) -> list[float]:
+        return [t + 9.0 if i in indices and t + 9.0 <= 0 else (t - 9.0 if i in indices else t) for i, t in enumerate(trainer)]
+
+    cases = {
+        "divergent from start": base,
+        "isolated spikes": edited(base, shifted({1})),
+        "late onset": edited(base, shifted(set(range(n - 2, n)))),
+        "not reproducible": edited(base, trainer, trainer=[t - 9.0 for t in trainer]),
+    }
+    store = tmp_path / "store.jsonl"
+    store.write_text("".join(json.dumps(r.to_json_dict()) + "\n" for r in cases.values()))
+    done = cli("replay", str(store), "--all", "--dtype", "bfloat16")
+    assert done.returncode == 0, explain(done)
+    lines = [line for line in done.stdout.splitlines() if "pattern:" in line]
+    assert len(lines) == len(cases), explain(done)
+    for line, expected in zip(lines, cases, strict=True):
+        assert f"pattern: {expected} " in line, (expected, line)
+
+
+def test_replay_names_every_token_when_a_fresh_engine_with_the_engine_weights_reproduces_it(tmp_path, tiny_model_dir):
+    """The engine ran other weights (a failed weight sync): a fresh engine with those weights reproduces the
+    disagreement on every token, while the trainer's weights copy the prompt."""
+    from transformers import AutoTokenizer
+
+    untrained = build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(train_steps=1, seed=1))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tokenizer("hello=", add_special_tokens=False)["input_ids"]
+    completion = tokenizer("hello", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    record = QuarantineRecord(
+        step=3, process_index=0, row=0, global_row=0, group_size=1, action="quarantined", rules=["mean_drift"], stats={},
+        prompt_ids=prompt, completion_ids=completion, prompt_text="hello=", completion_text="hello</s>",
+        completion_tokens=[tokenizer.decode([t]) for t in completion], engine_logprobs=[-3.4] * len(completion),
+        trainer_logprobs=[-0.01] * len(completion), reward=None, rewards_per_func={}, advantage_before=None,
+        advantage_after=None, sampling={"temperature": 1.0}, model=str(tiny_model_dir), engine={"name": "vllm"},
+    )
+    store = tmp_path / "store.jsonl"
+    store.write_text(json.dumps(record.to_json_dict()) + "\n")
+    done = cli("replay", str(store), "--engine-model", str(untrained))
+    assert done.returncode == 0, explain(done)
+    assert "pattern: every token" in done.stdout and "weights or dtype" in done.stdout, explain(done)
+    assert "conclusion: the disagreement reproduces from the prompt alone" in done.stdout
