@@ -214,7 +214,7 @@ def train(model, tokens: torch.Tensor, args, device: str):
                                   fused=device == "cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     arange = torch.arange(seq + 1, device=device)
-    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16) if getattr(args, "autocast", True) else contextlib.nullcontext()
     warmup, planned, probe = args.warmup_steps, None, (3, 13)  # time steps 3..13 (after warm-up kernels)
     snapshots: collections.deque = collections.deque(maxlen=65)
     losses, started, step, probe_started = [], time.time(), 0, None
