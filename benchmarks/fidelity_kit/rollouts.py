@@ -34,8 +34,9 @@ class Rollouts:
     def __len__(self) -> int:
         return self.mask.shape[0]
 
-    def rows(self, index: torch.Tensor) -> Rollouts:
-        """A sub-batch (``index`` is a LongTensor or bool mask), trimmed to its longest row."""
+    def rows(self, index: torch.Tensor | slice) -> Rollouts:
+        """A sub-batch (``index``: a LongTensor, a bool mask or a slice, which costs no copy), trimmed to its
+        longest row."""
         mask = self.mask[index]
         width = max(int(mask.sum(dim=-1).max()) if len(mask) else 1, 1)
         return replace(self, mask=mask[:, :width], engine=self.engine[index][:, :width],

@@ -81,7 +81,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     judged = Judged()
     names = list(faulty)
     cursors = dict.fromkeys(names, 0)
-    order = torch.argsort(clean.step, stable=True)
+    clean = clean.rows(torch.argsort(clean.step, stable=True))  # data order, so each step is a slice
     per_step_faults = max(1, round(fault_share * step_rows)) if names else 0
     turn = 0
 
@@ -98,7 +98,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         parts, labels = [], []
         for name, number in wanted.items():
             if number:
-                parts.append(faulty[name].rows(torch.arange(cursors[name], cursors[name] + number)))
+                parts.append(faulty[name].rows(slice(cursors[name], cursors[name] + number)))
                 labels += [name] * number
                 cursors[name] += number
         return parts, labels
@@ -112,10 +112,10 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     step = 0
     clean_step_rows = step_rows - per_step_faults
     for start in range(0, len(clean), clean_step_rows):
-        index = order[start : start + clean_step_rows]
+        index = slice(start, min(start + clean_step_rows, len(clean)))
         parts, labels = take_faults(per_step_faults)
         parts = [clean.rows(index), *parts]
-        labels = ["clean"] * len(index) + labels
+        labels = ["clean"] * (index.stop - index.start) + labels
         step += 1
         judge(parts, labels, torch.ones(len(labels), dtype=torch.bool), step)
 
