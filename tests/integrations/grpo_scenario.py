@@ -36,7 +36,9 @@ SCENARIOS = {
     # the trainer's on every token; no corruption at all, the default breaker on
     "topk_high_entropy": dict(mode="quarantine", rate=None, lr=5e-4, config={"top_k": 5}, guard={"max_quarantine_share": 0.5}),
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
-    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4,
+    # spike_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
+    # scenario checks that both alert kinds reach the trackers
+    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4, guard={"spike_delta": 8.0},
                      config={"report_to": ["wandb", "trackio"], "project": "rollout-guard-test", "run_name": "trackers"}),
 }
 
