@@ -124,3 +124,16 @@ def test_committed_processed_logprobs_only_rise_under_filtering():
     assert unfiltered.any() and (~unfiltered & mask).any()
     assert torch.equal(batch["engine"][unfiltered], batch["engine_raw"][unfiltered])
     assert (batch["engine"][mask] >= batch["engine_raw"][mask] - 1e-3).all()
+
+
+def test_committed_raw_logprobs_come_from_the_engines_own_context():
+    """Unfiltered at T=1, processed and raw are the same distribution: on faulty rows too (the engine's context)."""
+    table = _committed()
+    plain = table.filter(pc.and_(pc.and_(pc.equal(table["temperature"], 1.0), pc.equal(table["top_p"], 1.0)),
+                                 pc.equal(table["top_k"], 0)))
+    faulty = plain.filter(pc.not_equal(plain["fault"], "none"))
+    assert faulty.num_rows > 0
+    for part in (faulty, plain.slice(0, 3000)):
+        batch = to_padded(part)
+        mask = batch["mask"].bool()
+        assert (batch["engine"][mask] - batch["engine_raw"][mask]).abs().max() < 1.0

@@ -114,6 +114,19 @@ def markdown(entries: list[dict], total: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact_markdown(entries: list[dict]) -> str:
+    """One line per condition: the condition's tail after the model name, per-step mean/max ranges, 'outside' shares."""
+    lines = ["| source | condition | fault | steps | tokens | proc step mean | proc step max | proc outside | raw step mean "
+             "| raw step max | raw outside |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in entries:
+        condition = "/".join(part for part in e["condition"].split("/")[3:] if not part.startswith("fault="))
+        lines.append(f"| {e['source']} | {condition} | {e['fault']} | {len(e['steps'])} | {e['tokens']} "
+                     f"| {_fmt_range(e['processed_step_mean_range'])} | {_fmt_range(e['processed_step_max_range'])} "
+                     f"| {100 * e['processed']['outside']:.2f} % | {_fmt_range(e['raw_step_mean_range'])} "
+                     f"| {_fmt_range(e['raw_step_max_range'])} | {100 * e['raw']['outside']:.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -121,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--md", type=Path)
+    parser.add_argument("--compact", type=Path, help="also write the one-line-per-condition table here")
     parser.add_argument("--per-step", action="store_true", help="also print one line per step")
     parser.add_argument("--meta", nargs="*", type=Path, default=[], help="JSON files to embed under 'runs'")
     args = parser.parse_args(argv)
@@ -140,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps({"published": PUBLISHED, "totals": total, "runs": runs, "conditions": entries}, indent=1))
     if args.md:
         args.md.write_text(text)
+    if args.compact:
+        args.compact.write_text(compact_markdown(entries))
 
 
 if __name__ == "__main__":
