@@ -13,6 +13,7 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
 from rollout_guard.statistics import COLUMN, NUM_ENGINE_BUCKETS, Thresholds, cusum_drawup, sample_statistics
+from test_guard import ThreadGroup  # the thread-backed gather standing in for processes
 
 ONLY_DETECTOR = dict(spike_delta=None, mean_delta=None, confident_wrong_tokens=None, max_quarantine_share=None)
 
@@ -137,19 +138,8 @@ def test_calibration_state_round_trip_and_identical_on_two_ranks():
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=500)
     generator = torch.Generator().manual_seed(2)
     evidence = [offset_batch(generator, 8, 32, 0.7, [1]), offset_batch(generator, 8, 32, 0.7, [])]
-    slots: list = [None, None]
-    barrier = threading.Barrier(2)
-
-    def gather_for(rank):
-        def gather(tensor):
-            slots[rank] = tensor
-            barrier.wait()
-            out = torch.cat(slots)
-            barrier.wait()
-            return out
-        return gather
-
-    guards = [RolloutGuard(config, gather=gather_for(rank), process_index=rank) for rank in range(2)]
+    group = ThreadGroup(2)
+    guards = [RolloutGuard(config, gather=group.gather_for(rank), process_index=rank) for rank in range(2)]
     threads = [threading.Thread(target=lambda r=rank: [guards[r].inspect(evidence[r], step=s) for s in (1, 2)]) for rank in range(2)]
     for thread in threads:
         thread.start()
