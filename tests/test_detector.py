@@ -1,7 +1,6 @@
 """The direction-aware, self-calibrating detector: CUSUM, spike rule, calibration (borderline and clean cases)."""
 
 import math
-import threading
 
 import pytest
 import torch
@@ -140,11 +139,7 @@ def test_calibration_state_round_trip_and_identical_on_two_ranks():
     evidence = [offset_batch(generator, 8, 32, 0.7, [1]), offset_batch(generator, 8, 32, 0.7, [])]
     group = ThreadGroup(2)
     guards = [RolloutGuard(config, gather=group.gather_for(rank), process_index=rank) for rank in range(2)]
-    threads = [threading.Thread(target=lambda r=rank: [guards[r].inspect(evidence[r], step=s) for s in (1, 2)]) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    group.run(lambda rank: [guards[rank].inspect(evidence[rank], step=s) for s in (1, 2)])
     assert torch.equal(guards[0].calibration.sums, guards[1].calibration.sums)
     assert torch.equal(guards[0].calibration.centre, guards[1].calibration.centre)
     restored = Calibration(config)

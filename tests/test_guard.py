@@ -29,6 +29,14 @@ class ThreadGroup:
 
         return gather
 
+    def run(self, target) -> None:
+        """Call ``target(rank)`` on one thread per rank and wait for all of them."""
+        threads = [threading.Thread(target=target, args=(rank,)) for rank in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+
 
 def batch(seed: int, corrupt_rows: list[int], batch_size: int = 4, length: int = 6) -> RolloutEvidence:
     generator = torch.Generator().manual_seed(seed)
@@ -79,11 +87,7 @@ def test_two_processes_call_gather_once_and_agree_on_everything():
     def run(rank: int) -> None:
         reports[rank] = guards[rank].inspect(evidence[rank], step=3)
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    group.run(run)
     assert group.calls == [1, 1]
     first, second = reports
     assert torch.equal(first.suspect, second.suspect)
@@ -157,11 +161,7 @@ def test_a_check_flag_from_one_rank_reaches_every_rank():
             flag = torch.tensor(flags[rank]) if rank == 0 else flags[rank]  # a device tensor or a bool
             reports[rank] = guards[rank].inspect(batch(rank, [1]), step=1, batch_size=4, check_failed=flag)
 
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=30)
+        group.run(run)
         assert group.calls == [1, 1]
         assert [r.check_failed_on for r in reports] == [expected, expected]
         assert not any(r.skipped for r in reports)
