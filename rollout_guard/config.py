@@ -114,6 +114,14 @@ class GuardConfig:
     """nats. A token whose |Δ| exceeds this counts as *divergent*; the index of the first one is reported with
     each sample as evidence (no rule uses it). Default 1.0."""
 
+    fused_statistics: bool = True
+    """``True``: when the evidence is on a CUDA device and Triton is installed, compute the statistics, the
+    verdict, the histograms and the calibration contributions in one fused kernel
+    (:mod:`rollout_guard.fused_statistics`); elsewhere, and with ``False``, the pure-torch reference
+    (:func:`rollout_guard.packet.reference_packet`). Both give the same packet up to the order of float32 sums.
+    Default True (on an H200 the kernel makes the guard's step as fast as TRL's own mismatch metrics: see
+    ``benchmarks/statistics_speed.py``)."""
+
     compute_trainer_logprobs: bool = True
     """When the trainer did not compute its own logprobs of the sampled tokens (TRL with
     ``vllm_importance_sampling_correction=False``), run one extra no-grad forward pass to get them. Costs one
@@ -209,6 +217,8 @@ class GuardConfig:
             raise GuardConfigError("calibration_decay", self.calibration_decay, "use a factor in (0, 1]; 1 never forgets")
         if not (_is_number(self.divergence_delta) and self.divergence_delta > 0 and math.isfinite(self.divergence_delta)):
             raise GuardConfigError("divergence_delta", self.divergence_delta, "use a positive finite number of nats")
+        if not isinstance(self.fused_statistics, bool):
+            raise GuardConfigError("fused_statistics", self.fused_statistics, "use True or False")
         if not isinstance(self.compute_trainer_logprobs, bool):
             raise GuardConfigError("compute_trainer_logprobs", self.compute_trainer_logprobs, "use True or False")
         if self.output_dir is not None and not isinstance(self.output_dir, (str, os.PathLike)):

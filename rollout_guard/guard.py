@@ -21,24 +21,17 @@ from rollout_guard.alerts import Alert, AlertMonitor  # noqa: F401 - Alert is pa
 from rollout_guard.config import GuardConfig
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
+from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
-from rollout_guard.statistics import (
-    CALIBRATION_WIDTH,
-    COLUMN,
-    NUM_DELTA_BINS,
-    NUM_ENGINE_BUCKETS,
-    SAMPLE_COLUMNS,
-    step_aggregates,
-    summarise,
-)
-from rollout_guard.verdict import RULES, judge, rule_counts
+from rollout_guard.packet import PacketLayout, empty_packet, reference_packet
+from rollout_guard.statistics import CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, step_aggregates
+from rollout_guard.verdict import RULES, rule_counts
 
 logger = logging.getLogger("rollout_guard")
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 STATUS_OK, STATUS_INPUT_ERROR, STATUS_FAILURE = 1.0, 0.0, -1.0
-CALIBRATION_SIZE = NUM_ENGINE_BUCKETS * CALIBRATION_WIDTH
 
 
 def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -136,83 +129,68 @@ class RolloutGuard:
         that it costs no host sync), carried in the one gather: ``report.check_failed_on`` lists the ranks where it
         failed, the same on every rank, so that all of them act on it together."""
         started = time.perf_counter()
-        width = len(SAMPLE_COLUMNS)
         error: BaseException | None = evidence if isinstance(evidence, BaseException) else None
+        packet: torch.Tensor | None = None
         if error is None:
             try:
                 evidence = evidence.validated()
                 if batch_size is not None and evidence.batch_size != batch_size:
                     raise GuardInputError("mask", f"{evidence.batch_size} rows, expected {batch_size} on every process",
                                           "give every process a batch of the same size")
-                thresholds = self.calibration.thresholds(evidence.device)
-                local, histogram, contribution = summarise(evidence, self.config, thresholds)
-                # The verdict is a pure function of a sample's row and the (rank-identical) calibration, so this
-                # rank can tell already which of its samples will be kept: only those feed the calibration.
-                kept = ~judge(local, self.config).suspect
-                exact = torch.float32 if contribution.device.type == "mps" else torch.float64  # MPS has no float64
-                calibration = (contribution.to(exact) * kept.view(-1, 1, 1)).sum(dim=0).flatten()
-                kept_rows = kept.sum().view(1).float()
+                packet = self._packet(evidence)
+                batch = evidence.batch_size
             except Exception as caught:  # noqa: BLE001 - must still join the collective below
                 error = caught
         if error is not None:
             if batch_size is None:
                 raise error
-            local = torch.zeros(batch_size, width, device=self.device)
-            histogram = torch.zeros(NUM_DELTA_BINS, device=self.device)
-            calibration = torch.zeros(CALIBRATION_SIZE, device=self.device)
-            kept_rows = torch.zeros(1, device=self.device)
-        status = STATUS_OK if error is None else (STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE)
-        batch = local.shape[0]
-        # float64: counts stay exact to 2^53 (float32 loses whole tokens above 2^24); MPS has no float64
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        head = torch.tensor([status, 0.0], dtype=dtype, device=local.device)
-        head[1:] = torch.as_tensor(check_failed).to(device=local.device, dtype=dtype).reshape(1)
-        packet = torch.cat([head, local.flatten().to(dtype), histogram.to(dtype), calibration.to(local.device, dtype),
-                            kept_rows.to(local.device, dtype)])
+            status = STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE
+            packet, batch = empty_packet(batch_size, status, self.device), batch_size
+        if not (check_failed is False):
+            packet[1:2] = torch.as_tensor(check_failed).to(device=packet.device, dtype=packet.dtype).reshape(1)
         gathered = self.gather(packet.to(self.device)).view(-1, packet.numel())  # the one collective
         try:
             return self._judge(step, batch, gathered, error, started)
         except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
             return self._failed_step(step, batch, gathered[:, 0].cpu(), caught, started)
 
-    def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
-        width = len(SAMPLE_COLUMNS)
-        world = gathered.shape[0]
-        samples = gathered[:, 2 : 2 + batch * width].reshape(-1, width)
-        global_histogram = gathered[:, 2 + batch * width : 2 + batch * width + NUM_DELTA_BINS].sum(dim=0)
-        calibration = gathered[:, 2 + batch * width + NUM_DELTA_BINS :].sum(dim=0)  # kept contributions, then kept rows
-        verdict = judge(samples, self.config)  # also on a failed rank's zeros: harmless, and no host sync first
-        quarantined = verdict.suspect if self.config.quarantines else torch.zeros_like(verdict.suspect)
-        local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
+    def _packet(self, evidence: RolloutEvidence) -> torch.Tensor:
+        """This process's packet (:mod:`rollout_guard.packet`): the fused kernel where it applies, else the
+        pure-torch reference."""
+        thresholds = self.calibration.thresholds(evidence.device)
+        if (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
+                and fused_statistics.available()):
+            return fused_statistics.fused_packet(evidence, self.config, thresholds)
+        return reference_packet(evidence, self.config, thresholds)
 
-        # the one host sync: statuses, check flags, statistics, histogram, calibration and verdict in one copy
-        host = torch.cat([gathered[:, :2].flatten(), samples.flatten(), global_histogram, calibration,
-                          verdict.reasons.to(samples.dtype)]).cpu()
-        heads = host[: 2 * world].view(world, 2)
-        if (heads[:, 0] != STATUS_OK).any():
-            return self._failed_step(step, batch, heads[:, 0], error, started)
-        offset = 2 * world
-        samples_host = host[offset : offset + samples.numel()].view(samples.shape)
-        offset += samples.numel()
-        histogram_host = host[offset : offset + NUM_DELTA_BINS].to(torch.int64)
-        offset += NUM_DELTA_BINS
-        calibration_host = host[offset : offset + CALIBRATION_SIZE + 1]
-        offset += CALIBRATION_SIZE + 1
-        reasons_host = host[offset:].to(torch.int32)
+    def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
+        layout = PacketLayout(batch)
+        width = layout.width
+        # the one host sync: statuses, check flags, statistics, verdicts, histogram and calibration in one copy
+        host = gathered.cpu()
+        if (host[:, 0] != STATUS_OK).any():
+            return self._failed_step(step, batch, host[:, 0], error, started)
+        local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
+        reasons_host = host[:, layout.reasons].flatten().to(torch.int32)
         suspect_host = reasons_host != 0
+        if self.config.quarantines:  # from the device copy: no host→device transfer
+            local_quarantined = gathered[self.process_index, layout.reasons] != 0
+        else:
+            local_quarantined = torch.zeros(batch, dtype=torch.bool, device=gathered.device)
         report = StepReport(
             step=step,
-            samples=samples_host,
+            samples=host[:, layout.samples].reshape(-1, width).double(),
             suspect=suspect_host,
             reasons=reasons_host,
             quarantined=suspect_host if self.config.quarantines else torch.zeros_like(suspect_host),
-            delta_histogram=histogram_host,
+            delta_histogram=host[:, layout.histogram].sum(dim=0).to(torch.int64),
             local_rows=local_rows,
-            local_quarantined=quarantined[local_rows],
-            check_failed_on=[rank for rank, flag in enumerate(heads[:, 1].tolist()) if flag],
+            local_quarantined=local_quarantined,
+            check_failed_on=[rank for rank, flag in enumerate(host[:, 1].tolist()) if flag],
         )
         report.metrics = self._step_metrics(report)
-        self.calibration.update(calibration_host[:-1].view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH), float(calibration_host[-1]))
+        calibration = host[:, layout.calibration].sum(dim=0).view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
+        self.calibration.update(calibration, float(host[:, layout.kept_rows].sum()))
         report.metrics.update(self._calibration_metrics())
         report.alerts = self.alerts.check(step, report.metrics)
         self._circuit_breaker(report)

@@ -1,0 +1,216 @@
+"""The Triton source of :func:`rollout_guard.fused_statistics.fused_packet` (imported on first use, so that
+``TRITON_INTERPRET=1`` set before then runs it in Triton's interpreter). One program per sample row; see
+:mod:`rollout_guard.fused_statistics` for what it computes and :mod:`rollout_guard.packet` for where it writes."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _last_min(v1, i1, v2, i2):
+    # running minimum and its position; a later equal value wins, as in torch.cummin
+    later = v2 <= v1
+    return tl.where(later, v2, v1), tl.where(later, i2, i1)
+
+@triton.jit
+def guard_rows(
+    mask_ptr, engine_ptr, trainer_ptr, injected_ptr, thresholds_ptr, delta_edges_ptr, excess_edges_ptr, out_ptr,
+    length, mask_stride, engine_stride, trainer_stride,
+    samples_at, reasons_at, histogram_at, calibration_at, kept_at,
+    confident_logprob, doubtful_logprob, divergence_delta, spike_min_logprob,
+    edge0, edge1, edge2, clip_low, clip_high, k3_cap,
+    min_nonfinite_engine, min_nonfinite_trainer, spike_delta, mean_delta, min_confident_wrong, drift_threshold,
+    HAS_ENGINE: tl.constexpr, HAS_TRAINER: tl.constexpr, HAS_INJECTED: tl.constexpr, SPIKE_RULE: tl.constexpr,
+    NUM_DELTA: tl.constexpr, NUM_EXCESS: tl.constexpr, CAL_WIDTH: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    buckets4 = tl.arange(0, 4)
+    inf = float("inf")
+    zero = tl.zeros([BLOCK], dtype=tl.float32)
+
+    tokens = tl.zeros([], dtype=tl.int32)
+    compared = tl.zeros([], dtype=tl.int32)
+    confident_wrong = tl.zeros([], dtype=tl.int32)
+    nonfinite_engine = tl.zeros([], dtype=tl.int32)
+    nonfinite_trainer = tl.zeros([], dtype=tl.int32)
+    engine_count = tl.zeros([], dtype=tl.int32)
+    trainer_count = tl.zeros([], dtype=tl.int32)
+    first_divergent = tl.zeros([], dtype=tl.int32) + 2147483647
+    sum_abs = tl.zeros([], dtype=tl.float32)
+    sum_log_ratio = tl.zeros([], dtype=tl.float32)
+    sum_k3 = tl.zeros([], dtype=tl.float32)
+    sum_engine = tl.zeros([], dtype=tl.float32)
+    sum_trainer = tl.zeros([], dtype=tl.float32)
+    max_abs = tl.zeros([], dtype=tl.float32) - inf
+    max_engine = tl.zeros([], dtype=tl.float32) - inf
+    max_trainer = tl.zeros([], dtype=tl.float32) - inf
+    margin = tl.zeros([], dtype=tl.float32) - inf
+    likely_count = tl.zeros([], dtype=tl.int32)
+    running = tl.zeros([], dtype=tl.float32)  # the CUSUM's running sum so far
+    low = tl.zeros([], dtype=tl.float32) + inf  # its running minimum
+    low_at = tl.zeros([], dtype=tl.int32)  # and where (the last position that reached it)
+    best_rise = tl.zeros([], dtype=tl.float32) - 1.0
+    best_start = tl.zeros([], dtype=tl.int32)
+    delta_counts = tl.zeros([128], dtype=tl.int32)
+    excess_counts = tl.zeros([256], dtype=tl.int32)
+    bucket_tokens = tl.zeros([4], dtype=tl.float32)
+    bucket_sum = tl.zeros([4], dtype=tl.float32)
+    bucket_square = tl.zeros([4], dtype=tl.float32)
+    bucket_candidates = tl.zeros([4], dtype=tl.float32)
+
+    for start in range(0, length, BLOCK):
+        position = start + offsets
+        inside = position < length
+        valid = tl.load(mask_ptr + row * mask_stride + position, mask=inside, other=0) != 0
+        tokens += tl.sum(valid.to(tl.int32), axis=0)
+        if HAS_ENGINE:
+            engine = tl.load(engine_ptr + row * engine_stride + position, mask=inside, other=0.0).to(tl.float32)
+            engine_finite = (engine == engine) & (tl.abs(engine) != inf)
+            engine_ok = valid & engine_finite
+            nonfinite_engine += tl.sum((valid & ~engine_finite).to(tl.int32), axis=0)
+        else:
+            engine = zero
+            engine_ok = valid & (zero != zero)
+        if HAS_TRAINER:
+            trainer = tl.load(trainer_ptr + row * trainer_stride + position, mask=inside, other=0.0).to(tl.float32)
+            trainer_finite = (trainer == trainer) & (tl.abs(trainer) != inf)
+            trainer_ok = valid & trainer_finite
+            nonfinite_trainer += tl.sum((valid & ~trainer_finite).to(tl.int32), axis=0)
+        else:
+            trainer = zero
+            trainer_ok = valid & (zero != zero)
+        both = engine_ok & trainer_ok
+        engine_count += tl.sum(engine_ok.to(tl.int32), axis=0)
+        trainer_count += tl.sum(trainer_ok.to(tl.int32), axis=0)
+        sum_engine += tl.sum(tl.where(engine_ok, engine, 0.0), axis=0)
+        sum_trainer += tl.sum(tl.where(trainer_ok, trainer, 0.0), axis=0)
+        max_engine = tl.maximum(max_engine, tl.max(tl.where(engine_ok, engine, -inf), axis=0))
+        max_trainer = tl.maximum(max_trainer, tl.max(tl.where(trainer_ok, trainer, -inf), axis=0))
+
+        log_ratio = tl.where(both, trainer - engine, 0.0)
+        abs_delta = tl.abs(log_ratio)
+        compared += tl.sum(both.to(tl.int32), axis=0)
+        sum_abs += tl.sum(abs_delta, axis=0)
+        sum_log_ratio += tl.sum(log_ratio, axis=0)
+        max_abs = tl.maximum(max_abs, tl.max(tl.where(both, abs_delta, -inf), axis=0))
+        capped = tl.minimum(log_ratio, k3_cap)
+        series = capped * capped * (0.5 + capped * (1.0 / 6.0 + capped * (1.0 / 24.0 + capped * (1.0 / 120.0 + capped / 720.0))))
+        k3 = tl.where(tl.abs(capped) < 0.1, series, tl.exp(capped) - 1.0 - capped)
+        sum_k3 += tl.sum(tl.where(both, k3, 0.0), axis=0)
+        confident_wrong += tl.sum((both & (engine >= confident_logprob) & (trainer <= doubtful_logprob)).to(tl.int32), axis=0)
+        divergent = both & (abs_delta > divergence_delta)
+        first_divergent = tl.minimum(first_divergent, tl.min(tl.where(divergent, position, 2147483647), axis=0))
+
+        # direction-aware detector: x = d − centre of the token's engine bucket
+        engine_bucketed = tl.where(engine_ok, engine, 0.0)
+        bucket = (engine_bucketed >= edge0).to(tl.int32) + (engine_bucketed >= edge1).to(tl.int32) + (engine_bucketed >= edge2).to(tl.int32)
+        centre = tl.load(thresholds_ptr + bucket)
+        allowance = tl.load(thresholds_ptr + 4 + bucket)
+        spike = tl.load(thresholds_ptr + 8 + bucket)
+        excess = tl.where(both, (engine - trainer) - centre, 0.0)
+        likely = both & (tl.maximum(engine, trainer) >= spike_min_logprob)
+        margin = tl.maximum(margin, tl.max(tl.where(likely, tl.abs(excess) - spike, -inf), axis=0))
+        likely_count += tl.sum(likely.to(tl.int32), axis=0)
+        clipped = tl.minimum(tl.maximum(excess, clip_low), clip_high)
+
+        # CUSUM drawup, carried across blocks: C_t, min(0, min_{j≤t} C_j) and where that minimum was
+        increment = tl.where(both, clipped - allowance, 0.0)
+        block_running = running + tl.cumsum(increment, axis=0)
+        block_low, block_low_at = tl.associative_scan((block_running, position), 0, _last_min)
+        carried = block_low > low  # a later equal value wins
+        low_here = tl.where(carried, low, block_low)
+        low_at_here = tl.where(carried, low_at, block_low_at)
+        floor = tl.minimum(low_here, 0.0)
+        rise = tl.where(inside, block_running - floor, -inf)
+        starts = tl.where(floor < 0.0, low_at_here + 1, 0)
+        block_best = tl.max(rise, axis=0)
+        block_best_at = tl.argmax(rise, axis=0, tie_break_left=True)
+        block_best_start = tl.sum(tl.where(offsets == block_best_at, starts, 0), axis=0)
+        better = block_best > best_rise
+        best_start = tl.where(better, block_best_start, best_start)
+        best_rise = tl.maximum(best_rise, block_best)
+        last = tl.minimum(length - start, BLOCK) - 1
+        running = tl.sum(tl.where(offsets == last, block_running, 0.0), axis=0)
+        low = tl.sum(tl.where(offsets == last, low_here, 0.0), axis=0)
+        low_at = tl.sum(tl.where(offsets == last, low_at_here, 0), axis=0)
+
+        # histograms: |Δ| of compared tokens; |x| of spike candidates per engine bucket
+        delta_bin = tl.zeros([BLOCK], dtype=tl.int32) - 1
+        for edge in tl.static_range(NUM_DELTA):
+            delta_bin += (abs_delta >= tl.load(delta_edges_ptr + edge)).to(tl.int32)
+        delta_counts += tl.histogram(tl.where(both, delta_bin, 127), 128)
+        magnitude = tl.abs(excess)
+        excess_bin = tl.zeros([BLOCK], dtype=tl.int32) - 1
+        for edge in tl.static_range(NUM_EXCESS):
+            excess_bin += (magnitude >= tl.load(excess_edges_ptr + edge)).to(tl.int32)
+        candidate = both & likely
+        excess_counts += tl.histogram(tl.where(candidate & (excess_bin >= 0), bucket * 64 + excess_bin, 255), 256)
+        in_bucket = (bucket[:, None] == buckets4[None, :]) & both[:, None]
+        bucket_tokens += tl.sum(in_bucket.to(tl.float32), axis=0)
+        bucket_sum += tl.sum(tl.where(in_bucket, clipped[:, None], 0.0), axis=0)
+        bucket_square += tl.sum(tl.where(in_bucket, (clipped * clipped)[:, None], 0.0), axis=0)
+        bucket_candidates += tl.sum((in_bucket & likely[:, None]).to(tl.float32), axis=0)
+
+    nan = float("nan")
+    has_compared = compared > 0
+    mean_abs = tl.where(has_compared, sum_abs / tl.maximum(compared, 1).to(tl.float32), nan)
+    max_abs = tl.where(has_compared, max_abs, nan)
+    seq_log_ratio = tl.where(has_compared, sum_log_ratio, nan)
+    kl_k3 = tl.where(has_compared, sum_k3 / tl.maximum(compared, 1).to(tl.float32), nan)
+    engine_max = tl.where(engine_count > 0, max_engine, nan)
+    engine_mean = tl.where(engine_count > 0, sum_engine / tl.maximum(engine_count, 1).to(tl.float32), nan)
+    trainer_max = tl.where(trainer_count > 0, max_trainer, nan)
+    trainer_mean = tl.where(trainer_count > 0, sum_trainer / tl.maximum(trainer_count, 1).to(tl.float32), nan)
+    first_divergent = tl.where(first_divergent < 2147483647, first_divergent, -1)
+    spike_margin = tl.where(likely_count > 0, margin, nan)
+    drift = tl.where(has_compared, tl.maximum(best_rise, 0.0), nan)
+    drift_start = tl.where(has_compared, best_start, -1)
+    if HAS_INJECTED:
+        injected = tl.load(injected_ptr + row).to(tl.float32)
+    else:
+        injected = nan
+
+    reasons = (nonfinite_engine.to(tl.float32) >= min_nonfinite_engine).to(tl.int32)
+    reasons += (nonfinite_trainer.to(tl.float32) >= min_nonfinite_trainer).to(tl.int32) * 2
+    reasons += (max_abs > spike_delta).to(tl.int32) * 4
+    reasons += (mean_abs > mean_delta).to(tl.int32) * 8
+    reasons += (confident_wrong.to(tl.float32) >= min_confident_wrong).to(tl.int32) * 16
+    if SPIKE_RULE:
+        reasons += (spike_margin > 0.0).to(tl.int32) * 32
+    reasons += (drift > drift_threshold).to(tl.int32) * 64
+
+    out = out_ptr + samples_at + row * WIDTH
+    tl.store(out + 0, tokens.to(tl.float32).to(tl.float64))
+    tl.store(out + 1, compared.to(tl.float32).to(tl.float64))
+    tl.store(out + 2, max_abs.to(tl.float64))
+    tl.store(out + 3, mean_abs.to(tl.float64))
+    tl.store(out + 4, seq_log_ratio.to(tl.float64))
+    tl.store(out + 5, kl_k3.to(tl.float64))
+    tl.store(out + 6, engine_max.to(tl.float64))
+    tl.store(out + 7, engine_mean.to(tl.float64))
+    tl.store(out + 8, trainer_max.to(tl.float64))
+    tl.store(out + 9, trainer_mean.to(tl.float64))
+    tl.store(out + 10, confident_wrong.to(tl.float32).to(tl.float64))
+    tl.store(out + 11, first_divergent.to(tl.float32).to(tl.float64))
+    tl.store(out + 12, nonfinite_engine.to(tl.float32).to(tl.float64))
+    tl.store(out + 13, nonfinite_trainer.to(tl.float32).to(tl.float64))
+    tl.store(out + 14, injected.to(tl.float64))
+    tl.store(out + 15, spike_margin.to(tl.float64))
+    tl.store(out + 16, drift.to(tl.float64))
+    tl.store(out + 17, drift_start.to(tl.float32).to(tl.float64))
+    tl.store(out_ptr + reasons_at + row, reasons.to(tl.float64))
+
+    bins128 = tl.arange(0, 128)
+    tl.atomic_add(out_ptr + histogram_at + bins128, delta_counts.to(tl.float64), mask=bins128 < NUM_DELTA, sem="relaxed")
+    if reasons == 0:  # a kept sample feeds the calibration
+        calibration = out_ptr + calibration_at + buckets4 * CAL_WIDTH
+        tl.atomic_add(calibration + 0, bucket_tokens.to(tl.float64), sem="relaxed")
+        tl.atomic_add(calibration + 1, bucket_sum.to(tl.float64), sem="relaxed")
+        tl.atomic_add(calibration + 2, bucket_square.to(tl.float64), sem="relaxed")
+        tl.atomic_add(calibration + 3, bucket_candidates.to(tl.float64), sem="relaxed")
+        bins256 = tl.arange(0, 256)
+        tl.atomic_add(out_ptr + calibration_at + (bins256 // 64) * CAL_WIDTH + 4 + bins256 % 64,
+                      excess_counts.to(tl.float64), mask=bins256 % 64 < NUM_EXCESS, sem="relaxed")
+        tl.atomic_add(out_ptr + kept_at, 1.0, sem="relaxed")

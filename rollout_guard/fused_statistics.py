@@ -1,0 +1,104 @@
+"""The guard's token pass as one Triton kernel: statistics, verdict, histograms and calibration in one launch.
+
+:func:`rollout_guard.packet.reference_packet` computes a process's packet with ~100 small torch kernels (each a
+launch and a pass over the B×T tensors); :func:`fused_packet` computes the same packet in one kernel that reads
+each token once. One program per sample walks its row in blocks of ``BLOCK`` tokens, carrying the running sums,
+maxima, the CUSUM's running sum and running minimum (with its position) from block to block, so the drift
+statistic is exact (same recursion, float32 sums in another order). At the row's end the program writes the
+row's statistics and verdict, adds the row's |Δ| histogram to the packet and, if the row is kept, its
+calibration contribution (float64 atomics).
+
+Used when ``GuardConfig.fused_statistics`` allows it, the evidence is on a CUDA device and Triton is installed;
+the pure-torch reference stays the definition and the fallback, and ``tests/test_fused_statistics.py`` checks
+the kernel against it (in Triton's interpreter on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from rollout_guard.config import GuardConfig
+from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.packet import PacketLayout, packet_dtype
+from rollout_guard.statistics import (
+    _K3_LOG_RATIO_CAP, CALIBRATION_WIDTH, DELTA_BIN_EDGES, ENGINE_BUCKET_EDGES, EXCESS_CLIP, EXCESS_EDGES,
+    NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, Thresholds,
+)
+from rollout_guard.verdict import RULES
+
+# The kernel writes the columns and the rule bits in this order; a change to either must change the kernel.
+_KERNEL_COLUMNS = ("tokens", "compared_tokens", "max_abs_delta", "mean_abs_delta", "seq_log_ratio", "kl_k3",
+                   "engine_max_logprob", "engine_mean_logprob", "trainer_max_logprob", "trainer_mean_logprob",
+                   "confident_wrong_tokens", "first_divergent_token", "nonfinite_engine_tokens",
+                   "nonfinite_trainer_tokens", "injected", "spike_margin", "drift_cusum", "drift_start")
+_KERNEL_RULES = ("nonfinite_engine", "nonfinite_trainer", "token_spike", "mean_drift", "confident_wrong",
+                 "directional_spike", "drift")
+assert SAMPLE_COLUMNS == _KERNEL_COLUMNS and RULES == _KERNEL_RULES, "update rollout_guard/fused_statistics.py"
+assert NUM_ENGINE_BUCKETS == 4 and NUM_DELTA_BINS <= 127 and NUM_EXCESS_BINS <= 63
+
+BLOCK = 1024  # tokens per block of a row
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel():
+    """Imported on first use (so that ``TRITON_INTERPRET=1`` set before the first call is honoured)."""
+    from rollout_guard._fused_kernel import guard_rows
+
+    return guard_rows
+
+
+def _threshold(value: float | int | None) -> float:
+    return math.inf if value is None else float(value)
+
+
+def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds, block: int = BLOCK) -> torch.Tensor:
+    """The packet of :func:`rollout_guard.packet.reference_packet`, from one kernel launch (status 1, check
+    flag 0). Needs Triton; runs on CUDA tensors (or on CPU tensors in Triton's interpreter). ``block``: tokens
+    per block of a row (a power of two ≥ 16; tests use small blocks to cross block boundaries cheaply)."""
+    mask = evidence.mask
+    batch, length = mask.shape
+    device = mask.device
+    layout = PacketLayout(batch)
+    out = torch.zeros(layout.size, dtype=packet_dtype(device), device=device)
+    out[0] = 1.0
+    if batch == 0:
+        return out
+
+    def rows(tensor: torch.Tensor | None) -> torch.Tensor:
+        if tensor is None:
+            return mask
+        return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else rows(mask)
+    engine, trainer = rows(evidence.engine_logprobs), rows(evidence.trainer_logprobs)
+    injected = evidence.injected if evidence.injected is not None else mask
+    injected = injected.view(torch.uint8) if injected.dtype == torch.bool else injected
+    table = torch.cat([t.to(torch.float32) for t in thresholds]).to(device)
+    delta_edges = DELTA_BIN_EDGES.to(device=device, dtype=torch.float32)
+    excess_edges = torch.tensor(EXCESS_EDGES, dtype=torch.float32, device=device)
+    _kernel()[(batch,)](
+        mask, engine, trainer, injected, table, delta_edges, excess_edges, out,
+        length, mask.stride(0), engine.stride(0), trainer.stride(0),
+        layout.samples.start, layout.reasons.start, layout.histogram.start, layout.calibration.start, layout.kept_rows,
+        float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
+        float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
+        _K3_LOG_RATIO_CAP,
+        _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
+        _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
+        _threshold(config.drift_threshold),
+        HAS_ENGINE=evidence.has_engine, HAS_TRAINER=evidence.has_trainer, HAS_INJECTED=evidence.injected is not None,
+        SPIKE_RULE=config.spike_excess is not None, NUM_DELTA=NUM_DELTA_BINS, NUM_EXCESS=NUM_EXCESS_BINS,
+        CAL_WIDTH=CALIBRATION_WIDTH, WIDTH=len(SAMPLE_COLUMNS), BLOCK=block,
+    )
+    return out

@@ -1,0 +1,161 @@
+"""The fused Triton kernel against the pure-torch reference packet, in Triton's interpreter on CPU.
+
+The kernel runs on CUDA in training; here ``TRITON_INTERPRET=1`` runs the same kernel source on CPU tensors, with
+small blocks so that every row crosses block boundaries (the CUSUM, maxima and first-divergent index are carried
+from block to block). ``benchmarks/statistics_speed.py`` checks the compiled kernel against the reference on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_guard import GuardConfig, RolloutEvidence
+from rollout_guard.packet import PacketLayout, reference_packet
+from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS, Thresholds
+
+pytest.importorskip("triton")  # installed with the `cpu` extra (vLLM's dependency) and on CUDA machines
+
+BLOCK = 32
+INDEX_COLUMNS = ("tokens", "compared_tokens", "confident_wrong_tokens", "first_divergent_token",
+                 "nonfinite_engine_tokens", "nonfinite_trainer_tokens", "injected", "drift_start")
+
+
+def assert_same_packet(reference: torch.Tensor, fused: torch.Tensor, batch: int) -> None:
+    layout = PacketLayout(batch)
+    assert reference.shape == fused.shape
+    assert torch.equal(reference[:2], fused[:2])
+    ref, got = reference[layout.samples].view(batch, -1), fused[layout.samples].view(batch, -1)
+    for name in SAMPLE_COLUMNS:
+        a, b = ref[:, COLUMN[name]], got[:, COLUMN[name]]
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+        if name in INDEX_COLUMNS:
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (name, a.tolist(), b.tolist())
+        else:  # float32 sums in another order
+            torch.testing.assert_close(b.nan_to_num(), a.nan_to_num(), rtol=2e-5, atol=2e-4, msg=name)
+    assert torch.equal(reference[layout.reasons], fused[layout.reasons]), (reference[layout.reasons], fused[layout.reasons])
+    assert torch.equal(reference[layout.histogram], fused[layout.histogram])
+    calibration_ref, calibration_got = reference[layout.calibration].view(4, -1), fused[layout.calibration].view(4, -1)
+    assert torch.equal(calibration_ref[:, 0], calibration_got[:, 0])  # token counts: exact
+    assert torch.equal(calibration_ref[:, 3:], calibration_got[:, 3:])  # candidates and their histogram: exact
+    torch.testing.assert_close(calibration_got[:, 1:3], calibration_ref[:, 1:3], rtol=1e-5, atol=1e-3)
+    assert reference[layout.kept_rows] == fused[layout.kept_rows]
+
+
+def mixed_batch(generator: torch.Generator, rows: int = 10, length: int = 150) -> RolloutEvidence:
+    """Clean rows, a late-onset drift that crosses blocks, a mid-row dip that resets the CUSUM, confident-wrong
+    tokens, a spike, non-finite values inside and outside the mask, holes in the mask (tool tokens), an empty row."""
+    engine = -torch.rand(rows, length, generator=generator) * 4
+    trainer = engine + 0.05 * torch.randn(rows, length, generator=generator)
+    trainer[1, 90:] -= 2.5  # late onset, crosses the 32-token blocks
+    trainer[2, 10:40] += 3.0  # the running sum dips (trainer above engine), then a later rise
+    trainer[2, 100:] -= 3.0
+    engine[3, 20:25] = -0.01
+    trainer[3, 20:25] = -9.0  # confident-wrong run
+    trainer[4, 77] -= 12.0  # one spike
+    trainer[5, 60] = math.nan
+    engine[6, 33] = -math.inf
+    engine[7, 149] = math.nan  # outside the mask below
+    lengths = torch.tensor([150, 150, 150, 64, 131, 100, 33, 140, 0, 97])[:rows]
+    mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    mask[9, 40:70] = 0  # a hole in the mask
+    injected = torch.zeros(rows, dtype=torch.bool)
+    injected[1:5] = True
+    return RolloutEvidence(mask=mask, engine_logprobs=engine, trainer_logprobs=trainer, injected=injected)
+
+
+CALIBRATED = Thresholds(torch.tensor([0.0, 0.1, 0.3, 0.05]), torch.tensor([0.5, 0.6, 1.0, 0.5]),
+                        torch.tensor([3.0, 3.5, 5.0, 4.0]))
+
+
+def case_mixed_batch(fused, thresholds):
+    config = GuardConfig()
+    table = Thresholds.fixed(config) if thresholds == "fixed" else CALIBRATED
+    evidence = mixed_batch(torch.Generator().manual_seed(1))
+    reference = reference_packet(evidence, config, table)
+    assert int((reference[PacketLayout(10).reasons] != 0).sum()) >= 4, "the batch must exercise the rules"
+    assert_same_packet(reference, fused(evidence, config, table, block=BLOCK), 10)
+
+
+def case_rules_off_bool_mask_and_bf16(fused):
+    config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None, spike_excess=None,
+                         drift_threshold=None, nonfinite_trainer_tokens=2)
+    base = mixed_batch(torch.Generator().manual_seed(2))
+    evidence = RolloutEvidence(mask=base.mask.bool(), engine_logprobs=base.engine_logprobs.bfloat16(),
+                               trainer_logprobs=base.trainer_logprobs.bfloat16())
+    reference = reference_packet(evidence, config, Thresholds.fixed(config))
+    assert_same_packet(reference, fused(evidence, config, Thresholds.fixed(config), block=BLOCK), 10)
+
+
+def case_one_side_only(fused, side):
+    config = GuardConfig()
+    base = mixed_batch(torch.Generator().manual_seed(3))
+    evidence = RolloutEvidence(mask=base.mask, engine_logprobs=base.engine_logprobs if side == "engine" else None,
+                               trainer_logprobs=base.trainer_logprobs if side == "trainer" else None)
+    reference = reference_packet(evidence, config, CALIBRATED)
+    assert_same_packet(reference, fused(evidence, config, CALIBRATED, block=BLOCK), 10)
+
+
+def case_ties_and_one_block(fused):
+    """Exact ties in the CUSUM (constant increments, masked stretches) decide drift_start by torch.cummin's and
+    argmax's tie rules; and a row shorter than one block."""
+    config = GuardConfig()
+    engine = torch.full((3, 96), -0.1)
+    trainer = engine.clone()
+    trainer[0, :] -= 2.5  # every increment equal: the rise starts at 0
+    trainer[1, :10] += 2.0  # dip, then a masked stretch at the minimum across a block boundary, then a rise
+    trainer[1, 40:] -= 3.0
+    mask = torch.ones(3, 96, dtype=torch.long)
+    mask[1, 10:40] = 0
+    mask[2, 20:] = 0
+    evidence = RolloutEvidence(mask=mask, engine_logprobs=engine, trainer_logprobs=trainer)
+    reference = reference_packet(evidence, config, Thresholds.fixed(config))
+    assert_same_packet(reference, fused(evidence, config, Thresholds.fixed(config), block=BLOCK), 3)
+    assert_same_packet(reference, fused(evidence, config, Thresholds.fixed(config), block=128), 3)
+    starts = reference[PacketLayout(3).samples].view(3, -1)[:, COLUMN["drift_start"]].tolist()
+    assert starts[:2] == [0.0, 40.0], starts  # the rise starts after the last position of the minimum
+
+
+CASES = {
+    "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
+    "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),
+    "rules off, bool mask, bf16": case_rules_off_bool_mask_and_bf16,
+    "engine logprobs only": lambda fused: case_one_side_only(fused, "engine"),
+    "trainer logprobs only": lambda fused: case_one_side_only(fused, "trainer"),
+    "ties and one block": case_ties_and_one_block,
+}
+
+
+def run_cases(names: list[str]) -> int:
+    """In a process started with TRITON_INTERPRET=1 (Triton reads it when it is first imported)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from rollout_guard.fused_statistics import fused_packet
+
+    failed = 0
+    for name in names:
+        try:
+            CASES[name](fused_packet)
+        except Exception as error:  # noqa: BLE001 - report every case
+            failed += 1
+            print(f"FAILED {name}: {type(error).__name__}: {error}", flush=True)
+        else:
+            print(f"ok {name}", flush=True)
+    return failed
+
+
+def test_fused_kernel_matches_the_reference_in_the_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, __file__, *CASES], capture_output=True, text=True, timeout=900, env=env, cwd=root)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("ok ") == len(CASES), run.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(1 if run_cases(sys.argv[1:]) else 0)
