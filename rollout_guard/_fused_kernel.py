@@ -14,16 +14,39 @@ def _last_min(v1, i1, v2, i2):
 
 @triton.jit
 def guard_rows(
-    mask_ptr, engine_ptr, trainer_ptr, injected_ptr, thresholds_ptr, delta_edges_ptr, excess_edges_ptr, out_ptr,
-    length, mask_stride, engine_stride, trainer_stride,
-    samples_at, reasons_at, histogram_at, calibration_at, kept_at,
-    confident_logprob, doubtful_logprob, divergence_delta, spike_min_logprob,
-    edge0, edge1, edge2, clip_low, clip_high, k3_cap,
-    min_nonfinite_engine, min_nonfinite_trainer, spike_delta, mean_delta, min_confident_wrong, drift_threshold,
+    mask_ptr, engine_ptr, trainer_ptr, injected_ptr, parameters_ptr, out_ptr,
+    length, batch, mask_stride, engine_stride, trainer_stride,
     HAS_ENGINE: tl.constexpr, HAS_TRAINER: tl.constexpr, HAS_INJECTED: tl.constexpr, SPIKE_RULE: tl.constexpr,
     NUM_DELTA: tl.constexpr, NUM_EXCESS: tl.constexpr, CAL_WIDTH: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, HISTOGRAMS: tl.constexpr = True,
 ):
+    # where the packet's parts start (rollout_guard.packet.PacketLayout)
+    samples_at = 2
+    reasons_at = samples_at + batch * WIDTH
+    histogram_at = reasons_at + batch
+    calibration_at = histogram_at + NUM_DELTA
+    kept_at = calibration_at + 4 * CAL_WIDTH
+    aggregates_at = kept_at + 1
+    # the parameter table (rollout_guard.fused_statistics.kernel_parameters)
+    thresholds_ptr = parameters_ptr
+    confident_logprob = tl.load(parameters_ptr + 12)
+    doubtful_logprob = tl.load(parameters_ptr + 13)
+    divergence_delta = tl.load(parameters_ptr + 14)
+    spike_min_logprob = tl.load(parameters_ptr + 15)
+    edge0 = tl.load(parameters_ptr + 16)
+    edge1 = tl.load(parameters_ptr + 17)
+    edge2 = tl.load(parameters_ptr + 18)
+    clip_low = tl.load(parameters_ptr + 19)
+    clip_high = tl.load(parameters_ptr + 20)
+    k3_cap = tl.load(parameters_ptr + 21)
+    min_nonfinite_engine = tl.load(parameters_ptr + 22)
+    min_nonfinite_trainer = tl.load(parameters_ptr + 23)
+    spike_delta = tl.load(parameters_ptr + 24)
+    mean_delta = tl.load(parameters_ptr + 25)
+    min_confident_wrong = tl.load(parameters_ptr + 26)
+    drift_threshold = tl.load(parameters_ptr + 27)
+    delta_edges_ptr = parameters_ptr + 28
+    excess_edges_ptr = parameters_ptr + 28 + NUM_DELTA
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -137,16 +160,25 @@ def guard_rows(
         low_at = tl.sum(tl.where(offsets == last, low_at_here, 0), axis=0)
 
         # histograms: |Δ| of compared tokens; |x| of spike candidates per engine bucket
-        delta_bin = tl.zeros([BLOCK], dtype=tl.int32) - 1
-        for edge in tl.static_range(NUM_DELTA):
-            delta_bin += (abs_delta >= tl.load(delta_edges_ptr + edge)).to(tl.int32)
-        delta_counts += tl.histogram(tl.where(both, delta_bin, 127), 128)
+        # |Δ| bin = (edges ≤ |Δ|) − 1 over 0, 1e-6 … 100 (8 per decade): a guess from the logarithm, then one
+        # step either way against the exact float32 edges (the guess is off by at most one)
+        guess = tl.floor((tl.log(tl.maximum(abs_delta, 1e-30)) * 0.4342944819032518 + 6.0) * 8.0).to(tl.int32) + 1
+        delta_bin = tl.minimum(tl.maximum(guess, 0), NUM_DELTA - 1)
+        delta_bin = tl.where(abs_delta < tl.load(delta_edges_ptr + delta_bin), delta_bin - 1, delta_bin)
+        above = tl.load(delta_edges_ptr + tl.minimum(delta_bin + 1, NUM_DELTA - 1))
+        delta_bin = tl.where((delta_bin + 1 < NUM_DELTA) & (abs_delta >= above), delta_bin + 1, delta_bin)
+        if HISTOGRAMS:
+            delta_counts += tl.histogram(tl.where(both, delta_bin, 127), 128)
+        # |x| bin = (edges ≤ |x|) − 1 over 2^(k/4), k = −8 … 24 (−1 below 0.25), the same way
         magnitude = tl.abs(excess)
-        excess_bin = tl.zeros([BLOCK], dtype=tl.int32) - 1
-        for edge in tl.static_range(NUM_EXCESS):
-            excess_bin += (magnitude >= tl.load(excess_edges_ptr + edge)).to(tl.int32)
+        guess = tl.floor(tl.log(tl.maximum(magnitude, 1e-30)) * 5.770780163555854).to(tl.int32) + 8
+        excess_bin = tl.minimum(tl.maximum(guess, 0), NUM_EXCESS - 1)
+        excess_bin = tl.where(magnitude < tl.load(excess_edges_ptr + excess_bin), excess_bin - 1, excess_bin)
+        above = tl.load(excess_edges_ptr + tl.minimum(excess_bin + 1, NUM_EXCESS - 1))
+        excess_bin = tl.where((excess_bin + 1 < NUM_EXCESS) & (magnitude >= above), excess_bin + 1, excess_bin)
         candidate = both & likely
-        excess_counts += tl.histogram(tl.where(candidate & (excess_bin >= 0), bucket * 64 + excess_bin, 255), 256)
+        if HISTOGRAMS:
+            excess_counts += tl.histogram(tl.where(candidate & (excess_bin >= 0), bucket * 64 + excess_bin, 255), 256)
         in_bucket = (bucket[:, None] == buckets4[None, :]) & both[:, None]
         bucket_tokens += tl.sum(in_bucket.to(tl.float32), axis=0)
         bucket_sum += tl.sum(tl.where(in_bucket, clipped[:, None], 0.0), axis=0)
@@ -201,6 +233,44 @@ def guard_rows(
     tl.store(out + 16, drift.to(tl.float64))
     tl.store(out + 17, drift_start.to(tl.float32).to(tl.float64))
     tl.store(out_ptr + reasons_at + row, reasons.to(tl.float64))
+    if row == 0:
+        tl.store(out_ptr, 1.0)  # status: ok
+
+    # this process's step aggregates (rollout_guard.packet.AGGREGATES; the maxima start at −inf)
+    aggregates = out_ptr + aggregates_at
+    tl.atomic_add(aggregates + 0, tokens.to(tl.float64), sem="relaxed")
+    tl.atomic_add(aggregates + 1, compared.to(tl.float64), sem="relaxed")
+    tl.atomic_add(aggregates + 2, confident_wrong.to(tl.float64), sem="relaxed")
+    tl.atomic_add(aggregates + 3, nonfinite_engine.to(tl.float64), sem="relaxed")
+    tl.atomic_add(aggregates + 4, nonfinite_trainer.to(tl.float64), sem="relaxed")
+    if compared > 0:
+        tl.atomic_max(aggregates + 5, max_abs.to(tl.float64), sem="relaxed")
+        if reasons == 0:
+            tl.atomic_max(aggregates + 8, max_abs.to(tl.float64), sem="relaxed")
+        tl.atomic_add(aggregates + 9, mean_abs.to(tl.float64) * compared.to(tl.float64), sem="relaxed")
+        tl.atomic_add(aggregates + 10, compared.to(tl.float64), sem="relaxed")
+        tl.atomic_add(aggregates + 11, kl_k3.to(tl.float64) * compared.to(tl.float64), sem="relaxed")
+        tl.atomic_add(aggregates + 12, compared.to(tl.float64), sem="relaxed")
+    if engine_count > 0:
+        tl.atomic_max(aggregates + 6, engine_max.to(tl.float64), sem="relaxed")
+        engine_weight = (tokens - nonfinite_engine).to(tl.float64)
+        tl.atomic_add(aggregates + 13, engine_mean.to(tl.float64) * engine_weight, sem="relaxed")
+        tl.atomic_add(aggregates + 14, engine_weight, sem="relaxed")
+    if trainer_count > 0:
+        tl.atomic_max(aggregates + 7, trainer_max.to(tl.float64), sem="relaxed")
+        trainer_weight = (tokens - nonfinite_trainer).to(tl.float64)
+        tl.atomic_add(aggregates + 15, trainer_mean.to(tl.float64) * trainer_weight, sem="relaxed")
+        tl.atomic_add(aggregates + 16, trainer_weight, sem="relaxed")
+    if HAS_INJECTED:
+        tl.atomic_add(aggregates + 17, injected.to(tl.float64), sem="relaxed")
+        tl.atomic_add(aggregates + 18, 1.0, sem="relaxed")
+        if (injected == 1.0) & (reasons != 0):
+            tl.atomic_add(aggregates + 20, 1.0, sem="relaxed")
+    if reasons != 0:
+        tl.atomic_add(aggregates + 19, 1.0, sem="relaxed")
+        for bit in tl.static_range(7):
+            if (reasons >> bit) & 1:
+                tl.atomic_add(aggregates + 21 + bit, 1.0, sem="relaxed")
 
     bins128 = tl.arange(0, 128)
     tl.atomic_add(out_ptr + histogram_at + bins128, delta_counts.to(tl.float64), mask=bins128 < NUM_DELTA, sem="relaxed")

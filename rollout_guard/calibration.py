@@ -26,6 +26,7 @@ into the calibration as long as the fixed thresholds catch them.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -33,84 +34,145 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, Thresholds
 
 
-def spike_quantile(histogram: torch.Tensor, tokens: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Per bucket, the smallest upper bin edge above which at most ``alpha · tokens`` tokens lie (nats; +inf when
-    even the overflow bin holds more).
+def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> float:
+    """The smallest upper bin edge above which at most ``alpha · tokens`` tokens of one bucket lie (nats; +inf
+    when even the overflow bin holds more):
+
+    .. math:: q = \\min\\{\\, e_{j+1} \\;:\\; \\textstyle\\sum_{i > j} h_i \\le \\alpha\\, n \\,\\}
+
+    with ``h`` the bucket's |x| histogram over :data:`EXCESS_EDGES` (``e``; the last bin is [64, inf), so
+    ``e_{J+1} = +inf``) and ``n`` all its tokens (those below the first edge included). Host arithmetic on a few
+    dozen numbers per bucket.
 
     Args:
-        histogram: (K, NUM_EXCESS_BINS) counts over :data:`EXCESS_EDGES` (the last bin is [64, inf)).
-        tokens: (K,) all tokens of the bucket (those below the first edge included).
-        alpha: (K,) tail probability per token.
+        histogram: (NUM_EXCESS_BINS,) counts.
+        tokens: the bucket's tokens.
+        alpha: tail probability per token.
 
-    >>> h = torch.zeros(1, len(EXCESS_EDGES)); h[0, 4] = 10.0  # 10 tokens in [0.5, 0.59)
-    >>> spike_quantile(h, torch.tensor([1000.0]), torch.tensor([0.001])).tolist()  # 1 token allowed above
-    [0.5946035575013605]
+    >>> h = [0.0] * len(EXCESS_EDGES); h[4] = 10.0  # 10 tokens in [0.5, 0.59)
+    >>> spike_quantile(h, 1000.0, 0.001)  # 1 token allowed above
+    0.5946035575013605
+    >>> spike_quantile(h, 1000.0, 0.0)  # none allowed above: the edge above every token
+    0.5946035575013605
+    >>> spike_quantile([0.0] * (len(EXCESS_EDGES) - 1) + [5.0], 1000.0, 0.001)  # 5 tokens past 64 nats
+    inf
     """
-    edges = torch.tensor(EXCESS_EDGES + (math.inf,), dtype=torch.float64)
-    above = histogram.double().flip(-1).cumsum(-1).flip(-1)  # above[:, j] = tokens in bins j, j+1, …
-    above = torch.cat([above[:, 1:], torch.zeros_like(above[:, :1])], dim=-1)  # tokens above bin j's upper edge
-    allowed = (alpha.double() * tokens.double()).unsqueeze(-1)
-    ok = above <= allowed
-    first = ok.int().argmax(-1)  # the last bin always qualifies (nothing lies above +inf)
-    return edges[first + 1]
+    allowed = alpha * tokens
+    above = [0.0] * len(histogram)  # above[j]: tokens in the bins after j (summed from the end)
+    total = 0.0
+    for j in range(len(histogram) - 1, -1, -1):
+        above[j] = total
+        total += histogram[j]
+    for j, count in enumerate(above):
+        if count <= allowed:
+            return _UPPER_EDGES[j]
+    return math.inf
+
+
+_UPPER_EDGES = EXCESS_EDGES[1:] + (math.inf,)  # the upper edge of each |x| bin
 
 
 class Calibration:
-    """Decayed per-bucket sums of kept tokens: count, Σ clip(x), histogram of x; and the centres in use."""
+    """Decayed per-bucket sums of kept tokens: count, Σ clip(x), histogram of x; and the centres in use.
+
+    A few hundred numbers, updated once per step on the host: kept as Python floats (a tensor op per number
+    would cost more than the arithmetic); ``sums``, ``centre`` and ``variance`` read them as float64 tensors."""
 
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
-        self.sums = torch.zeros(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH, dtype=torch.float64)
-        self.centre = torch.zeros(NUM_ENGINE_BUCKETS, dtype=torch.float64)
-        self.variance = torch.zeros(NUM_ENGINE_BUCKETS, dtype=torch.float64)  # of clip(x) around the centre
+        self._sums = [[0.0] * CALIBRATION_WIDTH for _ in range(NUM_ENGINE_BUCKETS)]
+        self._centre = [0.0] * NUM_ENGINE_BUCKETS
+        self._variance = [0.0] * NUM_ENGINE_BUCKETS  # of clip(x) around the centre
         self.rows = 0.0  # decayed count of kept samples
+        self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
+        self._values: tuple[list[float], list[float], list[float]] | None = None  # until the next update
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """(K, CALIBRATION_WIDTH) float64: decayed tokens, Σ clip(x), Σ clip(x)², spike candidates, |x| histogram."""
+        return torch.tensor(self._sums, dtype=torch.float64)
+
+    @property
+    def centre(self) -> torch.Tensor:
+        """(K,) float64 nats: the calibrated centre of d = engine − trainer per bucket."""
+        return torch.tensor(self._centre, dtype=torch.float64)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """(K,) float64 nats²: the variance of healthy clip(x) per bucket."""
+        return torch.tensor(self._variance, dtype=torch.float64)
+
+    def warm_flags(self) -> list[bool]:
+        """Per bucket: enough kept tokens to be trusted (Python bools)."""
+        return [bucket[0] >= self.config.calibration_warmup_tokens for bucket in self._sums]
 
     def warm(self) -> torch.Tensor:
         """(K,) bool: buckets with enough kept tokens to be trusted."""
-        return self.sums[:, 0] >= self.config.calibration_warmup_tokens
+        return torch.tensor(self.warm_flags())
 
     def thresholds(self, device: torch.device | str = "cpu") -> Thresholds:
+        """The thresholds the next step uses, as (K,) float32 tensors on ``device`` (kept until the next update)."""
+        key = str(device)
+        if key not in self._thresholds:
+            self._thresholds[key] = Thresholds(*(torch.tensor(values, dtype=torch.float64).float().to(device)
+                                                 for values in self.threshold_values()))
+        return self._thresholds[key]
+
+    def threshold_values(self) -> tuple[list[float], list[float], list[float]]:
+        """The same thresholds as Python floats (centre, allowance, spike per bucket; computed once per update;
+        the same tuple object until the next update)."""
+        if self._values is None:
+            self._values = self._compute_thresholds()
+        return self._values
+
+    def _compute_thresholds(self) -> tuple[list[float], list[float], list[float]]:
         config = self.config
-        fixed = Thresholds.fixed(config, "cpu")
-        warm = self.warm()
-        if not bool(warm.any()):
-            return Thresholds(*(t.to(device) for t in fixed))
-        candidates = self.sums[:, 3]
-        per_sample = candidates.sum() / max(self.rows, 1.0)  # spike candidates per sample, all buckets
-        alpha = torch.full_like(candidates, (config.false_alarm_budget / 1000.0) / max(float(per_sample), 1.0))
-        quantile = spike_quantile(self.sums[:, 4:], candidates, alpha).float()
-        spike = torch.where(warm, torch.maximum(quantile, fixed.spike), fixed.spike)
-        centre = torch.where(warm, self.centre.float(), fixed.centre)
+        fixed_spike = config.spike_excess if config.spike_excess is not None else math.inf
+        fixed_allowance = config.warmup_drift_allowance
+        warm = self.warm_flags()
+        if not any(warm):
+            return ([0.0] * NUM_ENGINE_BUCKETS, [float(fixed_allowance)] * NUM_ENGINE_BUCKETS,
+                    [float(fixed_spike)] * NUM_ENGINE_BUCKETS)
+        candidates = [bucket[3] for bucket in self._sums]
+        per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
+        alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
+        quantile = [spike_quantile(bucket[4:], bucket[3], alpha) for bucket in self._sums]
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
-        tokens_per_sample = float(self.sums[:, 0].sum()) / max(self.rows, 1.0)
+        tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
         log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
-        noisy = (self.variance * log_odds / (2 * drift_threshold)).float()
-        allowance = torch.where(warm, noisy.clamp(min=config.drift_allowance), fixed.allowance)
-        return Thresholds(centre.to(device), allowance.to(device), spike.to(device))
+        spike = [max(q, fixed_spike) if w else fixed_spike for q, w in zip(quantile, warm, strict=True)]
+        centre = [c if w else 0.0 for c, w in zip(self._centre, warm, strict=True)]
+        allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
+                     for v, w in zip(self._variance, warm, strict=True)]
+        return centre, allowance, spike
 
     def update(self, contribution: torch.Tensor, kept_rows: float) -> None:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor)."""
-        contribution = contribution.double().cpu()
+        self._thresholds, self._values = {}, None
+        rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
         # the step's tokens were centred with the centre then in use (0 before warm-up): move them to absolute d
-        in_use = torch.where(self.warm(), self.centre, torch.zeros_like(self.centre))
-        mean_then = contribution[:, 1] / contribution[:, 0].clamp(min=1.0)
-        variance_then = (contribution[:, 2] / contribution[:, 0].clamp(min=1.0) - mean_then**2).clamp(min=0.0)
-        self.sums *= decay
+        warm = self.warm_flags()
         self.rows = self.rows * decay + kept_rows
-        old_tokens = self.sums[:, 0].clone()
-        self.sums += contribution
-        new_mean = in_use + mean_then
-        weight = contribution[:, 0] / self.sums[:, 0].clamp(min=1e-12)
-        seen = old_tokens + contribution[:, 0] > 0
-        self.centre = torch.where(seen, self.centre * (1 - weight) + new_mean * weight, self.centre)
-        self.variance = torch.where(seen, self.variance * (1 - weight) + variance_then * weight, self.variance)
+        for k, (step, sums) in enumerate(zip(rows, self._sums, strict=True)):
+            tokens = step[0]
+            mean_then = step[1] / max(tokens, 1.0)
+            variance_then = max(step[2] / max(tokens, 1.0) - mean_then**2, 0.0)
+            old_tokens = sums[0] * decay
+            self._sums[k] = [value * decay + added for value, added in zip(sums, step, strict=True)]
+            if old_tokens + tokens > 0:
+                weight = tokens / max(self._sums[k][0], 1e-12)
+                new_mean = (self._centre[k] if warm[k] else 0.0) + mean_then
+                self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
+                self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
 
     def state_dict(self) -> dict:
-        return {"sums": self.sums.tolist(), "centre": self.centre.tolist(), "variance": self.variance.tolist(), "rows": self.rows}
+        return {"sums": [list(bucket) for bucket in self._sums], "centre": list(self._centre),
+                "variance": list(self._variance), "rows": self.rows}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sums = torch.tensor(state["sums"], dtype=torch.float64)
-        self.centre = torch.tensor(state["centre"], dtype=torch.float64)
-        self.variance = torch.tensor(state["variance"], dtype=torch.float64)
+        self._thresholds, self._values = {}, None
+        self._sums = [[float(value) for value in bucket] for bucket in state["sums"]]
+        self._centre = [float(value) for value in state["centre"]]
+        self._variance = [float(value) for value in state["variance"]]
         self.rows = float(state["rows"])

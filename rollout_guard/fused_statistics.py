@@ -22,7 +22,7 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
-from rollout_guard.packet import PacketLayout, packet_dtype
+from rollout_guard.packet import AGGREGATES, MAX_AGGREGATES, PacketLayout, packet_dtype
 from rollout_guard.statistics import (
     _K3_LOG_RATIO_CAP, CALIBRATION_WIDTH, DELTA_BIN_EDGES, ENGINE_BUCKET_EDGES, EXCESS_CLIP, EXCESS_EDGES,
     NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, Thresholds,
@@ -36,10 +36,18 @@ _KERNEL_COLUMNS = ("tokens", "compared_tokens", "max_abs_delta", "mean_abs_delta
                    "nonfinite_trainer_tokens", "injected", "spike_margin", "drift_cusum", "drift_start")
 _KERNEL_RULES = ("nonfinite_engine", "nonfinite_trainer", "token_spike", "mean_drift", "confident_wrong",
                  "directional_spike", "drift")
+_KERNEL_AGGREGATES = ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens",
+                      "nonfinite_trainer_tokens", "max_abs_delta", "engine_max_logprob", "trainer_max_logprob",
+                      "kept_max_abs_delta", "mean_abs_delta_num", "mean_abs_delta_den", "kl_k3_num", "kl_k3_den",
+                      "engine_mean_logprob_num", "engine_mean_logprob_den", "trainer_mean_logprob_num",
+                      "trainer_mean_logprob_den", "injected", "labelled", "suspect", "caught",
+                      *(f"rule/{name}" for name in _KERNEL_RULES))
 assert SAMPLE_COLUMNS == _KERNEL_COLUMNS and RULES == _KERNEL_RULES, "update rollout_guard/fused_statistics.py"
+assert tuple(name for name, _ in AGGREGATES) == _KERNEL_AGGREGATES and MAX_AGGREGATES == (5, 6, 7, 8)
 assert NUM_ENGINE_BUCKETS == 4 and NUM_DELTA_BINS <= 127 and NUM_EXCESS_BINS <= 63
 
 BLOCK = 1024  # tokens per block of a row
+NUM_WARPS = 4
 
 
 def available() -> bool:
@@ -62,17 +70,40 @@ def _threshold(value: float | int | None) -> float:
     return math.inf if value is None else float(value)
 
 
-def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds, block: int = BLOCK) -> torch.Tensor:
+def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[float], ...],
+                      device: torch.device | str) -> torch.Tensor:
+    """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
+    calibration update): the per-bucket thresholds (centre, allowance, spike; 12), the config's token
+    thresholds and rule thresholds (16; +inf for a rule that is off), the |Δ| and |x| histogram edges as the
+    reference compares them (float32). ``thresholds``: tensors or the calibration's lists of floats."""
+    values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+    values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
+               float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
+               _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
+               _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
+               _threshold(config.drift_threshold)]
+    assert len(values) == 28
+    return torch.tensor(values + _EDGE_VALUES, dtype=torch.float32, device=device)
+
+
+_EDGE_VALUES = DELTA_BIN_EDGES.float().tolist() + torch.tensor(EXCESS_EDGES, dtype=torch.float32).tolist()
+
+
+def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | torch.Tensor, block: int = BLOCK,
+                 num_warps: int = NUM_WARPS, histograms: bool = True) -> torch.Tensor:
     """The packet of :func:`rollout_guard.packet.reference_packet`, from one kernel launch (status 1, check
-    flag 0). Needs Triton; runs on CUDA tensors (or on CPU tensors in Triton's interpreter). ``block``: tokens
-    per block of a row (a power of two ≥ 16; tests use small blocks to cross block boundaries cheaply)."""
+    flag 0). Needs Triton; runs on CUDA tensors (or on CPU tensors in Triton's interpreter). ``thresholds``: the
+    calibration's thresholds, or their :func:`kernel_parameters` table (what the guard caches between updates).
+    ``block``: tokens per block of a row (a power of two ≥ 16; tests use small blocks to cross block boundaries
+    cheaply). ``histograms=False`` skips both histograms (a wrong packet: for timing the kernel's parts only)."""
     mask = evidence.mask
     batch, length = mask.shape
     device = mask.device
     layout = PacketLayout(batch)
     out = torch.zeros(layout.size, dtype=packet_dtype(device), device=device)
-    out[0] = 1.0
+    out[layout.aggregates.start + 5 : layout.aggregates.start + 9] = -math.inf  # the maxima
     if batch == 0:
+        out[0] = 1.0
         return out
 
     def rows(tensor: torch.Tensor | None) -> torch.Tensor:
@@ -84,21 +115,11 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
     engine, trainer = rows(evidence.engine_logprobs), rows(evidence.trainer_logprobs)
     injected = evidence.injected if evidence.injected is not None else mask
     injected = injected.view(torch.uint8) if injected.dtype == torch.bool else injected
-    table = torch.cat([t.to(torch.float32) for t in thresholds]).to(device)
-    delta_edges = DELTA_BIN_EDGES.to(device=device, dtype=torch.float32)
-    excess_edges = torch.tensor(EXCESS_EDGES, dtype=torch.float32, device=device)
+    parameters = thresholds if isinstance(thresholds, torch.Tensor) else kernel_parameters(config, thresholds, device)
     _kernel()[(batch,)](
-        mask, engine, trainer, injected, table, delta_edges, excess_edges, out,
-        length, mask.stride(0), engine.stride(0), trainer.stride(0),
-        layout.samples.start, layout.reasons.start, layout.histogram.start, layout.calibration.start, layout.kept_rows,
-        float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
-        float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
-        _K3_LOG_RATIO_CAP,
-        _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
-        _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
-        _threshold(config.drift_threshold),
+        mask, engine, trainer, injected, parameters, out, length, batch, mask.stride(0), engine.stride(0), trainer.stride(0),
         HAS_ENGINE=evidence.has_engine, HAS_TRAINER=evidence.has_trainer, HAS_INJECTED=evidence.injected is not None,
         SPIKE_RULE=config.spike_excess is not None, NUM_DELTA=NUM_DELTA_BINS, NUM_EXCESS=NUM_EXCESS_BINS,
-        CAL_WIDTH=CALIBRATION_WIDTH, WIDTH=len(SAMPLE_COLUMNS), BLOCK=block,
+        CAL_WIDTH=CALIBRATION_WIDTH, WIDTH=len(SAMPLE_COLUMNS), BLOCK=block, HISTOGRAMS=histograms, num_warps=num_warps,
     )
     return out

@@ -23,9 +23,9 @@ from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
-from rollout_guard.packet import PacketLayout, empty_packet, reference_packet
-from rollout_guard.statistics import CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, step_aggregates
-from rollout_guard.verdict import RULES, rule_counts
+from rollout_guard.packet import PacketLayout, combine_aggregates, empty_packet, reference_packet, step_metrics
+from rollout_guard.statistics import CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS
+from rollout_guard.verdict import RULES
 
 logger = logging.getLogger("rollout_guard")
 
@@ -120,6 +120,7 @@ class RolloutGuard:
         self.alerts = AlertMonitor(self.config)
         self.calibration = Calibration(self.config)
         self.last_guard_seconds = 0.0
+        self._kernel_parameters: tuple | None = None  # (thresholds, their kernel table on the device)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
                 check_failed: torch.Tensor | bool = False) -> StepReport:
@@ -157,11 +158,15 @@ class RolloutGuard:
     def _packet(self, evidence: RolloutEvidence) -> torch.Tensor:
         """This process's packet (:mod:`rollout_guard.packet`): the fused kernel where it applies, else the
         pure-torch reference."""
-        thresholds = self.calibration.thresholds(evidence.device)
         if (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
                 and fused_statistics.available()):
-            return fused_statistics.fused_packet(evidence, self.config, thresholds)
-        return reference_packet(evidence, self.config, thresholds)
+            thresholds = self.calibration.threshold_values()  # the same object until the next update
+            cached = self._kernel_parameters
+            if cached is None or cached[0] is not thresholds or cached[1].device != evidence.device:
+                cached = (thresholds, fused_statistics.kernel_parameters(self.config, thresholds, evidence.device))
+                self._kernel_parameters = cached
+            return fused_statistics.fused_packet(evidence, self.config, cached[1])
+        return reference_packet(evidence, self.config, self.calibration.thresholds(evidence.device))
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
         layout = PacketLayout(batch)
@@ -188,7 +193,9 @@ class RolloutGuard:
             local_quarantined=local_quarantined,
             check_failed_on=[rank for rank, flag in enumerate(host[:, 1].tolist()) if flag],
         )
-        report.metrics = self._step_metrics(report)
+        report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
+                                      report.delta_histogram, self.config.quarantines)
+        report.metrics["guard_failures"] = float(self.totals.failures)
         calibration = host[:, layout.calibration].sum(dim=0).view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
         self.calibration.update(calibration, float(host[:, layout.kept_rows].sum()))
         report.metrics.update(self._calibration_metrics())
@@ -250,34 +257,13 @@ class RolloutGuard:
         if alert is not None:
             report.alerts.append(alert)
 
-    def _step_metrics(self, report: StepReport) -> dict[str, float]:
-        metrics = step_aggregates(report.samples, report.delta_histogram)
-        total = max(report.samples.shape[0], 1)
-        metrics["suspect"] = float(report.suspect.sum())
-        metrics["quarantined"] = float(report.quarantined.sum())
-        metrics["suspect_share"] = metrics["suspect"] / total
-        metrics["quarantined_share"] = metrics["quarantined"] / total
-        kept = report.column("max_abs_delta")[~report.quarantined]
-        kept = kept[~torch.isnan(kept)]
-        metrics["kept_max_abs_delta"] = float(kept.max()) if kept.numel() else math.nan
-        for name, count in rule_counts(report.reasons).items():
-            metrics[f"rule/{name}"] = float(count)
-        metrics["guard_failures"] = float(self.totals.failures)
-        injected = report.column("injected")
-        if not torch.isnan(injected).all():
-            labelled = injected == 1
-            metrics["caught"] = float((labelled & report.suspect).sum())
-            metrics["missed"] = float((labelled & ~report.suspect).sum())
-            metrics["false_alarms"] = float((~labelled & report.suspect).sum())
-        return metrics
-
     def _calibration_metrics(self) -> dict[str, float]:
         """The thresholds the next step will use, per engine bucket (nats)."""
-        thresholds = self.calibration.thresholds("cpu")
-        metrics = {"calibrated_buckets": float(self.calibration.warm().sum())}
+        centre, _, spike = self.calibration.threshold_values()
+        metrics = {"calibrated_buckets": float(sum(self.calibration.warm_flags()))}
         for bucket in range(NUM_ENGINE_BUCKETS):
-            metrics[f"calibration/centre_b{bucket}"] = float(thresholds.centre[bucket])
-            metrics[f"calibration/spike_b{bucket}"] = float(thresholds.spike[bucket])
+            metrics[f"calibration/centre_b{bucket}"] = centre[bucket]
+            metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
         return metrics
 
     def _update_totals(self, report: StepReport) -> None:

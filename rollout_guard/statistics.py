@@ -241,55 +241,64 @@ def histogram_quantile(counts: torch.Tensor, q: float) -> float:
 
     Accurate to the bin width, 1/8 decade (a factor of 1.33); the overflow bin reports its lower edge. Callers
     that know the exact maximum clip the estimate to it.
+
+    >>> counts = torch.zeros(NUM_DELTA_BINS); counts[41] = 100  # all in [0.1, 0.133)
+    >>> round(histogram_quantile(counts, 0.5), 4)
+    0.1155
     """
-    counts = counts.double().cpu()
-    total = float(counts.sum())
+    values = [float(c) for c in counts.tolist()]  # a few dozen bins: plain Python beats small tensor ops
+    total = sum(values)
     if total <= 0:
         return math.nan
-    cumulative = counts.cumsum(0)
-    index = int(torch.searchsorted(cumulative, torch.tensor(q * total, dtype=torch.float64)).clamp(max=counts.numel() - 1))
-    lower = float(DELTA_BIN_EDGES[index])
-    if index + 1 >= DELTA_BIN_EDGES.numel():
+    target, before, index = q * total, 0.0, len(values) - 1
+    for bin_index, count in enumerate(values):
+        if before + count >= target:
+            index = bin_index
+            break
+        before += count
+    lower = _EDGES[index]
+    if index + 1 >= len(_EDGES):
         return lower
-    upper = float(DELTA_BIN_EDGES[index + 1])
-    before = float(cumulative[index - 1]) if index > 0 else 0.0
-    fraction = (q * total - before) / max(float(counts[index]), 1e-12)
+    upper = _EDGES[index + 1]
+    fraction = (target - before) / max(values[index], 1e-12)
     if lower == 0.0:
         return upper * fraction
     return lower * (upper / lower) ** min(max(fraction, 0.0), 1.0)
 
 
+_EDGES = DELTA_BIN_EDGES.tolist()
+_MAX_COLUMNS = ("max_abs_delta", "engine_max_logprob", "trainer_max_logprob")
+_MEAN_COLUMNS = ("mean_abs_delta", "kl_k3", "engine_mean_logprob", "trainer_mean_logprob")
+_SUM_COLUMNS = ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens")
+
+
 def step_aggregates(samples: torch.Tensor, histogram: torch.Tensor) -> dict[str, float]:
-    """Per-step numbers over all valid tokens of the batch, from per-sample rows (host tensors)."""
-    col = {name: samples[:, index].double() for name, index in COLUMN.items()}
-    compared = col["compared_tokens"]
-    engine_tokens = col["tokens"] - col["nonfinite_engine_tokens"]
-    trainer_tokens = col["tokens"] - col["nonfinite_trainer_tokens"]
-
-    def nanmax(values: torch.Tensor) -> float:
-        finite = values[~torch.isnan(values)]
-        return float(finite.max()) if finite.numel() else math.nan
-
-    def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float:
-        keep = ~torch.isnan(values) & (weights > 0)
-        total = float(weights[keep].sum())
-        return float((values[keep] * weights[keep]).sum() / total) if total > 0 else math.nan
-
-    injected = col["injected"]
-    return {
-        "samples": float(samples.shape[0]),
-        "tokens": float(col["tokens"].sum()),
-        "compared_tokens": float(compared.sum()),
-        "max_abs_delta": nanmax(col["max_abs_delta"]),
-        "mean_abs_delta": weighted_mean(col["mean_abs_delta"], compared),
-        "p99_abs_delta": min(histogram_quantile(histogram, 0.99), nanmax(col["max_abs_delta"])),
-        "kl_k3": weighted_mean(col["kl_k3"], compared),
-        "engine_max_logprob": nanmax(col["engine_max_logprob"]),
-        "engine_mean_logprob": weighted_mean(col["engine_mean_logprob"], engine_tokens),
-        "trainer_max_logprob": nanmax(col["trainer_max_logprob"]),
-        "trainer_mean_logprob": weighted_mean(col["trainer_mean_logprob"], trainer_tokens),
-        "confident_wrong_tokens": float(col["confident_wrong_tokens"].sum()),
-        "nonfinite_engine_tokens": float(col["nonfinite_engine_tokens"].sum()),
-        "nonfinite_trainer_tokens": float(col["nonfinite_trainer_tokens"].sum()),
-        "injected": float(injected.nansum()) if not torch.isnan(injected).all() else math.nan,
-    }
+    """Per-step numbers over all valid tokens of the batch, from per-sample rows (host tensors): maxima over
+    samples (NaN skipped), token-weighted means (a sample's mean weighs by the tokens it stands on), sums.
+    A few column-wise tensor ops for the whole table, so the cost does not grow with the number of numbers."""
+    table = samples.double()
+    column = [COLUMN[name] for name in _MAX_COLUMNS]
+    if table.shape[0]:
+        maxima = table[:, column].nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf).amax(dim=0).tolist()
+    else:
+        maxima = [-math.inf] * len(column)
+    maxima = [value if value != -math.inf else math.nan for value in maxima]
+    values = table[:, [COLUMN[name] for name in _MEAN_COLUMNS]]
+    compared = table[:, COLUMN["compared_tokens"]]
+    tokens = table[:, COLUMN["tokens"]]
+    weights = torch.stack([compared, compared, tokens - table[:, COLUMN["nonfinite_engine_tokens"]],
+                           tokens - table[:, COLUMN["nonfinite_trainer_tokens"]]], dim=1)
+    keep = ~torch.isnan(values) & (weights > 0)
+    numerators = torch.where(keep, values * weights, 0.0).sum(dim=0).tolist()
+    denominators = torch.where(keep, weights, 0.0).sum(dim=0).tolist()
+    means = [n / d if d > 0 else math.nan for n, d in zip(numerators, denominators, strict=True)]
+    sums = table[:, [COLUMN[name] for name in _SUM_COLUMNS]].sum(dim=0).tolist()
+    injected = table[:, COLUMN["injected"]]
+    labelled = ~torch.isnan(injected)
+    metrics = {"samples": float(table.shape[0])}
+    metrics.update(zip(_SUM_COLUMNS, sums, strict=True))
+    metrics.update(zip(_MAX_COLUMNS, maxima, strict=True))
+    metrics.update(zip(_MEAN_COLUMNS, means, strict=True))
+    metrics["p99_abs_delta"] = min(histogram_quantile(histogram, 0.99), metrics["max_abs_delta"])
+    metrics["injected"] = float(torch.where(labelled, injected, 0.0).sum()) if bool(labelled.any()) else math.nan
+    return metrics

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rollout_guard import GuardConfig, RolloutEvidence
-from rollout_guard.packet import PacketLayout, reference_packet
+from rollout_guard.packet import AGGREGATES, PacketLayout, reference_packet
 from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS, Thresholds
 
 pytest.importorskip("triton")  # installed with the `cpu` extra (vLLM's dependency) and on CUDA machines
@@ -46,6 +46,8 @@ def assert_same_packet(reference: torch.Tensor, fused: torch.Tensor, batch: int)
     assert torch.equal(calibration_ref[:, 3:], calibration_got[:, 3:])  # candidates and their histogram: exact
     torch.testing.assert_close(calibration_got[:, 1:3], calibration_ref[:, 1:3], rtol=1e-5, atol=1e-3)
     assert reference[layout.kept_rows] == fused[layout.kept_rows]
+    for (name, _), a, b in zip(AGGREGATES, reference[layout.aggregates].tolist(), fused[layout.aggregates].tolist(), strict=True):
+        assert b == pytest.approx(a, rel=2e-5, abs=1e-3), name
 
 
 def mixed_batch(generator: torch.Generator, rows: int = 10, length: int = 150) -> RolloutEvidence:
@@ -122,6 +124,22 @@ def case_ties_and_one_block(fused):
     assert starts[:2] == [0.0, 40.0], starts  # the rise starts after the last position of the minimum
 
 
+def case_histogram_bin_edges(fused):
+    """|Δ| and |x| exactly on every histogram edge and one float32 step below it (the kernel guesses a bin
+    from the logarithm and corrects it against the edges)."""
+    from rollout_guard.statistics import DELTA_BIN_EDGES, EXCESS_EDGES
+
+    edges = torch.cat([DELTA_BIN_EDGES.float(), torch.tensor(EXCESS_EDGES, dtype=torch.float32)]).clamp(max=60.0)
+    values = torch.cat([edges, torch.nextafter(edges, torch.zeros_like(edges)), edges * 1.0000001]).clamp(min=0.0)
+    width = 64
+    values = torch.nn.functional.pad(values, (0, (-values.numel()) % width)).view(-1, width)
+    engine = torch.zeros_like(values)
+    evidence = RolloutEvidence(mask=torch.ones_like(values, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=-values)
+    config = GuardConfig()
+    reference = reference_packet(evidence, config, Thresholds.fixed(config))
+    assert_same_packet(reference, fused(evidence, config, Thresholds.fixed(config), block=BLOCK), values.shape[0])
+
+
 CASES = {
     "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
     "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),
@@ -129,6 +147,7 @@ CASES = {
     "engine logprobs only": lambda fused: case_one_side_only(fused, "engine"),
     "trainer logprobs only": lambda fused: case_one_side_only(fused, "trainer"),
     "ties and one block": case_ties_and_one_block,
+    "histogram bin edges": case_histogram_bin_edges,
 }
 
 

@@ -1,0 +1,233 @@
+"""The guard's per-step time next to the mismatch-metric ops TRL already runs, on the same tensors, in one run.
+
+For each size B×T: fp32 engine and trainer logprobs (trainer = engine + N(0, 0.02²) noise, ~1 % of rows shifted
+by −9 nats), a right-padded mask (lengths uniform in [T/4, T]). Timed, median of ``--repeats`` runs after
+warm-up, each ending in a device synchronisation:
+
+* **TRL ops**: what TRL 1.16's ``GRPOTrainer._generate_and_score_completions`` computes from the same tensors
+  for its importance-sampling correction and its ``sampling/*`` metrics (default ``sequence_mask`` mode, clip
+  max 3.0), copied from its source, with ``accelerator.gather`` the identity of one process and its ``.item()``
+  host copies;
+* **guard (reference)**: ``RolloutGuard.inspect`` with ``fused_statistics=False`` (pure torch);
+* **guard (fused)**: ``RolloutGuard.inspect`` with the default config (one Triton kernel on CUDA), and the
+  kernel launch alone (``fused_packet`` + synchronisation).
+
+The guard runs warm (its calibration fed by earlier steps, as in a real run). Before timing, the fused packet is
+checked against the reference packet on the same device (verdicts, counts and histograms exactly; float sums to
+float32 rounding). Also printed: the guard's extra device memory (peak above its inputs) against its inputs.
+
+    python benchmarks/statistics_speed.py --device cuda --out statistics_speed.json
+    python benchmarks/statistics_speed.py            # CPU: reference only, small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
+from rollout_guard.packet import PacketLayout, reference_packet
+from rollout_guard.statistics import COLUMN
+
+
+def make_batch(rows: int, length: int, device: torch.device, seed: int = 0) -> RolloutEvidence:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    engine = -torch.rand(rows, length, generator=generator) * 2
+    trainer = engine + 0.02 * torch.randn(rows, length, generator=generator)
+    trainer[: max(rows // 100, 1)] -= 9.0  # ~1 % corrupted
+    lengths = torch.randint(length // 4, length + 1, (rows,), generator=generator)
+    mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return RolloutEvidence(mask=mask.to(device), engine_logprobs=engine.to(device), trainer_logprobs=trainer.to(device))
+
+
+def trl_metric_ops(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor, completion_mask: torch.Tensor,
+                   mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0) -> dict[str, float]:
+    """TRL 1.16 grpo_trainer.py (importance-sampling ratio, then the sampling/* metrics), one process."""
+    device = old_per_token_logps.device
+    gather = lambda tensor: tensor.reshape(-1)  # noqa: E731 - accelerator.gather on one process
+
+    def nanmin(tensor: torch.Tensor) -> torch.Tensor:
+        if torch.isnan(tensor).all():
+            return torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
+        return torch.min(tensor[~torch.isnan(tensor)])
+
+    def nanmax(tensor: torch.Tensor) -> torch.Tensor:
+        if torch.isnan(tensor).all():
+            return torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
+        return torch.max(tensor[~torch.isnan(tensor)])
+
+    mask = completion_mask
+    per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]
+    logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True) if sequence_level_is else per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        min_val = clip_min if clip_min is not None else -math.inf
+        max_val = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+
+    delta = torch.abs(old_per_token_logps - sampling_per_token_logps)
+    mask = completion_mask.bool()
+    delta = delta[mask & ~torch.isnan(delta)]
+    mean_delta = torch.mean(delta) if delta.numel() > 0 else torch.tensor(0.0, device=device)
+    max_delta = torch.max(delta) if delta.numel() > 0 else torch.tensor(0.0, device=device)
+    metrics = {"mean": gather(mean_delta).mean().item(), "max": gather(max_delta).max().item()}
+    flat_is_ratio = ratio.flatten() if sequence_level_is else ratio[mask]
+    low = torch.min(flat_is_ratio) if flat_is_ratio.numel() > 0 else torch.tensor(0.0, device=device)
+    mean = torch.mean(flat_is_ratio) if flat_is_ratio.numel() > 0 else torch.tensor(0.0, device=device)
+    high = torch.max(flat_is_ratio) if flat_is_ratio.numel() > 0 else torch.tensor(0.0, device=device)
+    metrics["is_min"] = nanmin(gather(low)).item()
+    metrics["is_mean"] = gather(mean).nanmean().item()
+    metrics["is_max"] = nanmax(gather(high)).item()
+    return metrics
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_it(fn, device: torch.device, repeats: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def warm_guard(config: GuardConfig, evidence: RolloutEvidence, device: torch.device, steps: int) -> RolloutGuard:
+    guard = RolloutGuard(config, device=device)
+    for step in range(1, steps + 1):
+        guard.inspect(evidence, step=step)
+    return guard
+
+
+def compare_packets(evidence: RolloutEvidence, guard: RolloutGuard) -> dict[str, float]:
+    """Fused against reference on the same device, same thresholds. ``drift_start`` is compared where the drift
+    exceeds 1e-3 nats: where the CUSUM never rises, its start is the position of a float-rounding-sized bump."""
+    from rollout_guard.fused_statistics import fused_packet
+    from rollout_guard.packet import AGGREGATES
+
+    thresholds = guard.calibration.thresholds(evidence.device)
+    reference = reference_packet(evidence, guard.config, thresholds)
+    fused = fused_packet(evidence, guard.config, thresholds)
+    layout = PacketLayout(evidence.batch_size)
+    ref, got = reference[layout.samples].view(evidence.batch_size, -1), fused[layout.samples].view(evidence.batch_size, -1)
+    exact = [COLUMN[name] for name in ("tokens", "compared_tokens", "confident_wrong_tokens", "first_divergent_token",
+                                       "nonfinite_engine_tokens", "nonfinite_trainer_tokens")]
+    rising = ref[:, COLUMN["drift_cusum"]] > 1e-3
+    finite = torch.isfinite(ref) & torch.isfinite(got)
+    floats = [COLUMN[name] for name in ("max_abs_delta", "mean_abs_delta", "seq_log_ratio", "kl_k3", "engine_mean_logprob",
+                                        "trainer_mean_logprob", "spike_margin", "drift_cusum")]
+    relative = ((got - ref).abs() / ref.abs().clamp(min=1.0)).where(finite, torch.zeros_like(ref))[:, floats]
+    calibration_ref = reference[layout.calibration].view(4, -1)
+    calibration_got = fused[layout.calibration].view(4, -1)
+    tokens = calibration_ref[:, :1].clamp(min=1.0)
+    aggregates_ref, aggregates_got = reference[layout.aggregates], fused[layout.aggregates]
+    both = torch.isfinite(aggregates_ref) & torch.isfinite(aggregates_got)
+    return {
+        "verdicts_equal": bool(torch.equal(reference[layout.reasons], fused[layout.reasons])),
+        "counts_equal": bool(torch.equal(ref[:, exact], got[:, exact])),
+        "drift_start_equal_where_rising": bool(torch.equal(ref[rising, COLUMN["drift_start"]], got[rising, COLUMN["drift_start"]])),
+        "nan_pattern_equal": bool(torch.equal(torch.isnan(ref), torch.isnan(got))),
+        "histogram_equal": bool(torch.equal(reference[layout.histogram], fused[layout.histogram])),
+        "calibration_counts_equal": bool(torch.equal(calibration_ref[:, [0, 3]], calibration_got[:, [0, 3]])
+                                         and torch.equal(calibration_ref[:, 4:], calibration_got[:, 4:])),
+        "kept_rows_equal": bool(reference[layout.kept_rows] == fused[layout.kept_rows]),
+        "aggregate_maxima_equal": bool(torch.equal(aggregates_ref[5:9], aggregates_got[5:9])),
+        "max_relative_difference": float(relative.max()),
+        "calibration_sums_max_difference_per_token": float(((calibration_got[:, 1:3] - calibration_ref[:, 1:3]).abs() / tokens).max()),
+        "aggregates_max_relative_difference": float(((aggregates_got - aggregates_ref).abs()
+                                                     / aggregates_ref.abs().clamp(min=1.0)).where(both, 0.0).max()),
+        "aggregates": len(AGGREGATES),
+        "suspect": int((reference[layout.reasons] != 0).sum()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sizes", default=None, help="comma-separated ROWSxTOKENS (default depends on the device)")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    from rollout_guard import fused_statistics
+
+    fused_ok = gpu and fused_statistics.available()
+    sizes = args.sizes or ("64x1024,256x4096,512x8192,512x16384" if gpu else "16x256,64x1024")
+    rows_out = []
+    for size in sizes.split(","):
+        rows, length = (int(part) for part in size.lower().split("x"))
+        evidence = make_batch(rows, length, device)
+        trl_seconds = time_it(lambda: trl_metric_ops(evidence.trainer_logprobs, evidence.engine_logprobs, evidence.mask),
+                              device, args.repeats)
+        # warm calibration: 64 tokens per sample would take many steps at small sizes; 8 steps at these sizes
+        reference_guard = warm_guard(GuardConfig(fused_statistics=False, calibration_warmup_tokens=1000), evidence, device, 8)
+        step = iter(range(100, 10**9))
+        reference_seconds = time_it(lambda: reference_guard.inspect(evidence, step=next(step)), device, args.repeats)
+        row = {"rows": rows, "tokens_per_row": length, "tokens": rows * length, "trl_ops_ms": trl_seconds * 1e3,
+               "guard_reference_ms": reference_seconds * 1e3}
+        input_bytes = sum(t.element_size() * t.numel() for t in (evidence.mask, evidence.engine_logprobs, evidence.trainer_logprobs))
+        row["input_mib"] = input_bytes / 2**20
+        if fused_ok:
+            guard = warm_guard(GuardConfig(calibration_warmup_tokens=1000), evidence, device, 8)
+            assert bool(guard.calibration.warm().any()), "the benchmark should time a calibrated guard"
+            row["check"] = compare_packets(evidence, guard)
+            parameters = fused_statistics.kernel_parameters(guard.config, guard.calibration.thresholds("cpu"), device)
+            row["kernel_ms"] = time_it(lambda: fused_statistics.fused_packet(evidence, guard.config, parameters), device,
+                                       args.repeats) * 1e3
+            row["kernel_ms_without_histograms"] = time_it(
+                lambda: fused_statistics.fused_packet(evidence, guard.config, parameters, histograms=False), device, args.repeats) * 1e3
+            row["kernel_ms_by_block_and_warps"] = {
+                f"{block}/{warps}": time_it(lambda: fused_statistics.fused_packet(evidence, guard.config, parameters, block, warps),
+                                            device, args.repeats) * 1e3
+                for block, warps in ((256, 2), (256, 4), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))}
+            fused_seconds = time_it(lambda: guard.inspect(evidence, step=next(step)), device, args.repeats)
+            row["guard_fused_ms"] = fused_seconds * 1e3
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            guard.inspect(evidence, step=next(step))
+            row["guard_extra_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            trl_metric_ops(evidence.trainer_logprobs, evidence.engine_logprobs, evidence.mask)
+            row["trl_ops_extra_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            row["fused_over_trl"] = fused_seconds / trl_seconds
+        row["reference_over_trl"] = reference_seconds / trl_seconds
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+
+    name = torch.cuda.get_device_name(device) if gpu else "cpu"
+    print(f"\ndevice: {name}; torch {torch.__version__}; fp32 logprobs, ~1 % corrupted rows; median of {args.repeats}")
+    print(f"{'rows×tokens':>14} {'TRL ops ms':>11} {'guard ref ms':>13} {'ref/TRL':>8} {'kernel ms':>10} {'guard fused ms':>15} "
+          f"{'fused/TRL':>10} {'extra MiB':>10} {'input MiB':>10} {'check':>6}")
+    for row in rows_out:
+        fused = row.get("guard_fused_ms")
+        check = row.get("check")
+        ok = "-" if check is None else ("ok" if all(check[k] for k in check if k.endswith("_equal")) else "DIFF")
+        print(f"{row['rows']:>6}×{row['tokens_per_row']:<7} {row['trl_ops_ms']:>11.3f} {row['guard_reference_ms']:>13.3f} "
+              f"{row['reference_over_trl']:>8.2f} {row.get('kernel_ms', math.nan):>10.3f} "
+              f"{fused if fused is not None else math.nan:>15.3f} {row.get('fused_over_trl', math.nan):>10.2f} "
+              f"{row.get('guard_extra_mib', math.nan):>10.2f} {row['input_mib']:>10.1f} {ok:>6}")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"device": name, "torch": torch.__version__, "repeats": args.repeats, "rows": rows_out}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

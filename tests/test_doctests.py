@@ -1,0 +1,19 @@
+"""The docstring examples of the core's pure functions run (formula, shapes and a doctest, torchmetrics style)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ("rollout_guard.statistics", "rollout_guard.calibration", "rollout_guard.patterns", "rollout_guard.action",
+           "rollout_guard.console", "rollout_guard.extras", "rollout_guard.injection")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
