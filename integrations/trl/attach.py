@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from rollout_guard.integrations.trl.batch import (
     GroupSettings, check_action_inputs, evidence_of, quarantine_batch, replica_differs, replica_mismatch_message, require,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
-from rollout_guard.integrations.trl.records import build_records
+from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.selection import worst_suspects
@@ -96,6 +97,7 @@ class TrlGuard:
         self.sinks = list(sinks)
         # the sinks' per-step work runs on this thread, off the training thread (main process only)
         self.writer: BackgroundWriter | None = BackgroundWriter() if self.is_main_process and self.sinks else None
+        self._writer_tokenizer: Any = None
         self.last_report: StepReport | None = None
         self.last_evidence: RolloutEvidence | None = None  # what the latest step was judged on (this process)
         self.last_overhead_seconds = 0.0
@@ -214,6 +216,7 @@ class TrlGuard:
         self._writer_failures()
         view = guard_snapshot(self.guard) if self.is_main_process and self.sinks else self.guard
         if records:
+            self._decode(records)
             self._to_sinks("on_records", records, view)
         self._to_sinks("on_step", report, view)
         if report.stop_training:
@@ -251,7 +254,7 @@ class TrlGuard:
         try:
             full_rows = set(worst_suspects(report.samples, report.reasons, self.config.evidence_samples_per_step).tolist())
             records = build_records(self.trainer, self.config, self.guard.process_index, batch, report, evidence, rewards,
-                                    advantages_before, full_rows=full_rows)
+                                    advantages_before, full_rows=full_rows, decode=False)
         except Exception as error:
             self._failure("writing evidence records", error)
             records = []
@@ -269,6 +272,27 @@ class TrlGuard:
         parts: list | None = [None] * world if self.is_main_process else None
         dist.gather_object(records, parts, dst=0)
         return [record for part in parts for record in part] if parts is not None else []
+
+    def _decode(self, records: list) -> None:
+        """Decode the records' tokens (main process), on the background writer before the sinks see them. The
+        writer decodes with its own copy of the tokenizer: a fast tokenizer is not safe to use from two threads
+        while the trainer pads a batch with it ("Already borrowed")."""
+        if not self.is_main_process or not self.sinks:
+            return
+        if self._writer_tokenizer is None:
+            tokenizer = self.trainer.processing_class
+            try:
+                self._writer_tokenizer = copy.deepcopy(tokenizer) if self.writer is not None else tokenizer
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is used here, on this thread
+                self._writer_tokenizer = tokenizer
+        tokenizer = self._writer_tokenizer
+        if self.writer is not None and tokenizer is not self.trainer.processing_class:
+            self.writer.submit("decoding evidence tokens", decode_records, records, tokenizer)
+            return
+        try:
+            decode_records(records, tokenizer)
+        except Exception as error:
+            self._failure("decoding evidence tokens", error)
 
     def _to_sinks(self, event: str, *payload: Any) -> None:
         """Hand each sink's ``event`` to the background writer (main process only); without a writer (closed, or

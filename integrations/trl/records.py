@@ -18,26 +18,33 @@ from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
 from rollout_guard.verdict import rule_names
 
 
-def decode_evidence(tokenizer: Any, prompts: list[list[int]], completions: list[list[int]]) -> tuple[list[str], list[str], list[list[str]]]:
-    """Prompt texts, completion texts and each completion token decoded on its own, in one tokenizer call: the
-    prompts, the completions and every distinct completion token (decoded once, however often it occurs)."""
-    if not prompts and not completions:
-        return [], [], []
-    distinct = sorted({token for completion in completions for token in completion})
-    texts = tokenizer.batch_decode(prompts + completions + [[token] for token in distinct], skip_special_tokens=False)
-    count = len(prompts) + len(completions)
-    piece = dict(zip(distinct, texts[count:], strict=True))
-    return (list(texts[: len(prompts)]), list(texts[len(prompts) : count]),
-            [[piece[token] for token in completion] for completion in completions])
+def decode_records(records: list[QuarantineRecord], tokenizer: Any) -> list[QuarantineRecord]:
+    """Fill in the texts of the records with full evidence (prompt, completion, each completion token on its own),
+    in place, with one tokenizer call: ``batch_decode`` of the prompts, the completions and every distinct
+    completion token (decoded once, however often it occurs). Returns the records."""
+    full = [record for record in records if record.full_evidence]
+    if not full:
+        return records
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+    distinct = sorted({token for record in full for token in record.completion_ids})
+    sequences = [record.prompt_ids for record in full] + [record.completion_ids for record in full]
+    texts = tokenizer.batch_decode(sequences + [[token] for token in distinct], skip_special_tokens=False)
+    piece = dict(zip(distinct, texts[len(sequences) :], strict=True))
+    for index, record in enumerate(full):
+        record.prompt_text, record.completion_text = texts[index], texts[len(full) + index]
+        record.completion_tokens = [piece[token] for token in record.completion_ids]
+    return records
 
 
 def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: dict[str, Any], report: StepReport,
                   evidence: RolloutEvidence, rewards: torch.Tensor | None,
-                  advantages_before: torch.Tensor | None, full_rows: set[int] | None = None) -> list[QuarantineRecord]:
+                  advantages_before: torch.Tensor | None, full_rows: set[int] | None = None,
+                  decode: bool = True) -> list[QuarantineRecord]:
     """Records of this process's suspect samples. ``full_rows``: the global rows that get full evidence (token ids,
     texts, per-token logprobs; every suspect row when None); the other suspects get statistics, rules, rewards
     and advantages only (``full_evidence=False``). Host copies of the suspect rows only, tokens of the full ones
-    only, and one tokenizer call."""
+    only. ``decode``: fill in the texts here (:func:`decode_records`, one tokenizer call); the adapter passes False
+    and decodes on its background writer, on the main process only."""
     local_suspect = report.suspect[report.local_rows]
     rows = torch.nonzero(local_suspect).flatten().tolist()
     if not rows:
@@ -65,13 +72,9 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
         trainer_lp = evidence.trainer_logprobs[full_index].float().cpu() if evidence.has_trainer else None
         prompts = [prompt_ids[i][prompt_mask[i]].tolist() for i in range(len(full))]
         completions = [completion_ids[i][mask[i]].tolist() for i in range(len(full))]
-        tokenizer = trainer.processing_class
-        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-        prompt_texts, completion_texts, pieces = decode_evidence(tokenizer, prompts, completions)
         for i, row in enumerate(full):
             tokens_of[row] = dict(
-                prompt_ids=prompts[i], completion_ids=completions[i], prompt_text=prompt_texts[i],
-                completion_text=completion_texts[i], completion_tokens=pieces[i],
+                prompt_ids=prompts[i], completion_ids=completions[i], prompt_text="", completion_text="", completion_tokens=[],
                 engine_logprobs=engine[i][mask[i]].tolist() if engine is not None else None,
                 trainer_logprobs=trainer_lp[i][mask[i]].tolist() if trainer_lp is not None else None,
             )
@@ -113,4 +116,4 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
                 created_unix=created, full_evidence=row in tokens_of,
             )
         )
-    return records
+    return decode_records(records, trainer.processing_class) if decode else records

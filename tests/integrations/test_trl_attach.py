@@ -94,10 +94,11 @@ def test_circuit_breaker_can_raise_after_writing_everything(tiny_model_dir, tmp_
 
 
 class _RecordingSink:
-    """Remembers what reached it; ``delay`` seconds per step (a slow disk or tracker); ``fail_on``: events that raise."""
+    """Remembers what reached it; ``fail_on``: events that raise; ``gate``: on_step waits until it is set, then
+    0.5 s more (a slow disk or tracker that the test controls)."""
 
-    def __init__(self, delay: float = 0.0, fail_on: tuple[str, ...] = ()) -> None:
-        self.delay, self.fail_on = delay, fail_on
+    def __init__(self, fail_on: tuple[str, ...] = (), gate=None) -> None:  # noqa: ANN001
+        self.fail_on, self.gate = fail_on, gate
         self.records, self.steps, self.ended = [], [], False
 
     def on_records(self, records, guard):
@@ -108,7 +109,9 @@ class _RecordingSink:
     def on_step(self, report, guard):
         import time
 
-        time.sleep(self.delay)
+        if self.gate is not None:
+            assert self.gate.wait(60), "the test never opened the gate"
+            time.sleep(0.5)
         if "on_step" in self.fail_on:
             raise OSError("tracker down (test)")
         self.steps.append((report.step, guard.totals.steps, dict(report.metrics)))
@@ -156,7 +159,10 @@ def test_full_evidence_for_the_worst_k_statistics_for_all(tiny_model_dir, tmp_pa
 
 
 def test_checkpoint_waits_for_the_writer(tiny_model_dir, tmp_path, monkeypatch):
-    """The guard's checkpoint state is saved only after the background writer wrote every step before it."""
+    """The guard's checkpoint state is saved only after the background writer wrote every step before it: the
+    sink finishes a step only 0.5 s after the checkpoint's save began, and the state file must still come after."""
+    import threading
+
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.hf_rollouts import TransformersRollouts
     from rollout_guard.integrations.trl import attach_guard
@@ -164,16 +170,25 @@ def test_checkpoint_waits_for_the_writer(tiny_model_dir, tmp_path, monkeypatch):
 
     trainer = make_trainer(tiny_model_dir, tmp_path / "trainer", rollouts=TransformersRollouts(stale_context_rate=0.5, seed=3),
                            max_steps=2, save_strategy="steps", save_steps=1)
-    sink = _RecordingSink(delay=1.5)
-    attach_guard(trainer, GuardConfig(max_quarantine_share=None, output_dir=str(tmp_path / "guard")), sinks=[sink])
+    gate = threading.Event()
+    sink = _RecordingSink(gate=gate)
+    guarded = attach_guard(trainer, GuardConfig(max_quarantine_share=None, output_dir=str(tmp_path / "guard")), sinks=[sink])
     seen_at_save = []
-    original = checkpoint_state.save_state
+    original_state, original_save = checkpoint_state.save_state, guarded.save_state
 
-    def save_state(guard, checkpoint_dir, global_step=None):
+    def state_file_written(guard, checkpoint_dir, global_step=None):
         seen_at_save.append((global_step, [step for step, _, _ in sink.steps]))
-        return original(guard, checkpoint_dir, global_step)
+        return original_state(guard, checkpoint_dir, global_step)
 
-    monkeypatch.setattr(checkpoint_state, "save_state", save_state)
+    def save_state(checkpoint_dir, global_step=None):
+        gate.set()  # the sink may finish the pending step now (0.5 s later)
+        try:
+            return original_save(checkpoint_dir, global_step)
+        finally:
+            gate.clear()
+
+    monkeypatch.setattr(checkpoint_state, "save_state", state_file_written)
+    guarded.save_state = save_state
     trainer.train()
     assert seen_at_save == [(1, [1]), (2, [1, 2])]
     assert sink.ended and [totals for _, totals, _ in sink.steps] == [1, 2], "each step saw the guard as it stood then"
