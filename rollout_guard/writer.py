@@ -14,6 +14,7 @@ runs on one thread of its own, off the training thread, in the order it was subm
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import queue
 import threading
@@ -55,10 +56,11 @@ class BackgroundWriter:
 
     def submit(self, what: str, function: Callable[..., Any], *args: Any) -> None:
         """Queue ``function(*args)``; blocks while ``max_pending`` tasks wait (never drops one). ``what`` names
-        the task in errors."""
+        the task in errors. The task runs in a copy of the caller's ``contextvars`` context, so that what the
+        training thread sees there (e.g. trackio's current run) the task sees too."""
         if self.closed:
             raise RuntimeError("the background writer is closed")
-        self._queue.put((what, function, args))
+        self._queue.put((what, function, args, contextvars.copy_context()))
 
     def flush(self) -> None:
         """Wait until every task submitted so far has run (successfully or not)."""
@@ -79,11 +81,11 @@ class BackgroundWriter:
 
 def _work(tasks: queue.Queue, errors: list, lock: threading.Lock) -> None:
     while True:
-        what, function, args = tasks.get()
+        what, function, args, context = tasks.get()
         try:
             if function is _STOP:
                 return
-            function(*args)
+            context.run(function, *args)
         except BaseException as error:  # noqa: BLE001 - kept for the training thread to report
             with lock:
                 errors.append((what, error))
@@ -92,7 +94,7 @@ def _work(tasks: queue.Queue, errors: list, lock: threading.Lock) -> None:
 
 
 def _stop(tasks: queue.Queue, thread: threading.Thread) -> None:
-    tasks.put((None, _STOP, ()))
+    tasks.put((None, _STOP, (), None))
     thread.join()
 
 

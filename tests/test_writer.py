@@ -101,6 +101,20 @@ def test_a_writer_that_is_dropped_unclosed_still_drains():
     assert not thread.is_alive() and done == list(range(5))
 
 
+def test_a_task_sees_the_context_variables_of_the_thread_that_submitted_it():
+    """trackio keeps its current run in a ContextVar: the TrackioSink on the writer thread must see it."""
+    import contextvars
+
+    run = contextvars.ContextVar("run", default=None)
+    seen: list = []
+    writer = BackgroundWriter()
+    run.set("the training run")
+    writer.submit("read", lambda: seen.append(run.get()))
+    writer.flush()
+    writer.close()
+    assert seen == ["the training run"]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_queue_size_is_checked(bad):
     with pytest.raises(ValueError, match="max_pending"):
