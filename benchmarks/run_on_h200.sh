@@ -11,6 +11,7 @@ nvidia-smi -L | tee "$OUT/env.txt"
 python3 -c "import torch, transformers, accelerate, trl, datasets, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'trl', trl.__version__, 'pyarrow', pyarrow.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee -a "$OUT/env.txt"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 timeout 300 python3 benchmarks/guard_overhead.py --device cuda --out "$OUT/bench_guard_overhead.json" 2>&1 | tail -n 12 | tee "$OUT/bench.log"
+timeout 400 python3 benchmarks/adapter_overhead.py --device cuda --out "$OUT/adapter_overhead.json" 2>&1 | tail -n 12 | tee "$OUT/adapter_overhead.log"
 launch="python3 -m accelerate.commands.launch --num_machines 1 --mixed_precision no --dynamo_backend no"
 if [ "$GPUS" -ge 2 ]; then
   timeout 300 $launch --multi_gpu --num_processes 2 examples/two_process_grpo.py --out /tmp/two_fp32 --steps 8 --timeout 120 > "$OUT/two_gpu_fp32.log" 2>&1

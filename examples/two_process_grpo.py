@@ -14,7 +14,9 @@ report); rank 0 then checks, and writes ``checks.json``:
 * every injected rollout quarantined, no clean one, each on the rank that holds it (zero loss mask there);
 * advantages equal an independent recomputation over the gathered batch without the quarantined samples;
 * ``num_items_in_batch`` equals the loss tokens left on all ranks;
-* a fresh single-process guard on the concatenated batches reaches the same verdict and numbers.
+* a fresh single-process guard on the concatenated batches reaches the same verdict and numbers;
+* the main process's quarantine store holds one record per suspect sample of every rank (gathered to it), with
+  tokens for exactly the step's ``EVIDENCE_SAMPLES`` worst (chosen from the gathered report).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+EVIDENCE_SAMPLES = 2  # full evidence for the 2 worst suspects per step, statistics for the rest (checked below)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,8 +74,8 @@ def train(args: argparse.Namespace) -> dict:
     )
     rollouts = TransformersRollouts(stale_context_rate=args.rate, seed=3)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=copy_accuracy, args=config, train_dataset=dataset, rollout_func=rollouts)
-    guarded = attach_guard(trainer, GuardConfig(output_dir=str(args.out / "rollout_guard"), max_quarantine_share=0.9),
-                           keep_steps=True)
+    guarded = attach_guard(trainer, GuardConfig(output_dir=str(args.out / "rollout_guard"), max_quarantine_share=0.9,
+                                                evidence_samples_per_step=EVIDENCE_SAMPLES), keep_steps=True)
     started = time.perf_counter()
     trainer.train()
     kept = guarded.steps
@@ -80,6 +83,7 @@ def train(args: argparse.Namespace) -> dict:
         "raw": [step.before for step in kept], "guarded": [step.after for step in kept],
         "rewards": [step.rewards_per_func for step in kept], "injected": [step.injected for step in kept],
         "reports": [{"suspect": step.report.suspect, "quarantined": step.report.quarantined, "metrics": dict(step.report.metrics),
+                     "samples": step.report.samples, "reasons": step.report.reasons,
                      "overhead_seconds": step.overhead_seconds, "evidence": step.evidence} for step in kept],
         "process_index": state.process_index, "num_processes": state.num_processes, "device": str(state.device),
         "train_seconds": time.perf_counter() - started, "num_generations": trainer.num_generations,
@@ -108,8 +112,10 @@ def reference_advantages(rewards, group: int, excluded):
 def check(out: Path, world: int) -> dict:
     import torch
 
-    from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
+    from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard, read_records
+    from rollout_guard.selection import worst_suspects
 
+    records = list(read_records(out / "rollout_guard" / "quarantine"))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     checks: dict[str, bool] = {}
     steps = len(ranks[0]["reports"])
@@ -117,7 +123,7 @@ def check(out: Path, world: int) -> dict:
     rows = []
     for step in range(steps):
         reports = [r["reports"][step] for r in ranks]
-        first = {k: v for k, v in reports[0]["metrics"].items() if k != "guard_seconds"}
+        first = {k: v for k, v in reports[0]["metrics"].items() if k not in ("guard_seconds", "overhead_seconds")}
         identical = all(
             all(v == r["metrics"].get(k) or (math.isnan(v) and math.isnan(r["metrics"].get(k, 0.0))) for k, v in first.items())
             and torch.equal(r["suspect"], reports[0]["suspect"])
@@ -157,9 +163,17 @@ def check(out: Path, world: int) -> dict:
             "max_abs_delta": reports[0]["metrics"]["max_abs_delta"], "kept_max_abs_delta": reports[0]["metrics"]["kept_max_abs_delta"],
             "guard_ms": [round(r["metrics"]["guard_seconds"] * 1000, 3) for r in reports],
         }
+        # every suspect sample has one record, gathered from its rank to the main process; tokens for the worst K
+        mine = [record for record in records if record.step == step + 1]
+        suspect_rows = torch.nonzero(reports[0]["suspect"]).flatten().tolist()
+        row["records_on_main"] = (sorted(record.global_row for record in mine) == suspect_rows
+                                  and all(record.process_index == record.global_row // local for record in mine))
+        row["full_evidence_for_worst_k"] = ({record.global_row for record in mine if record.full_evidence}
+                                            == set(worst_suspects(reports[0]["samples"], reports[0]["reasons"], EVIDENCE_SAMPLES).tolist()))
         rows.append(row)
     for key in ("identical_on_all_ranks", "quarantined_equals_injected", "excluded_on_owner_rank",
-                "advantages_match_reference", "normaliser_matches_tokens_left", "one_process_same_verdict"):
+                "advantages_match_reference", "normaliser_matches_tokens_left", "one_process_same_verdict", "records_on_main",
+                "full_evidence_for_worst_k"):
         checks[key] = all(row[key] for row in rows)
     checks["enough_injected"] = sum(row["injected"] for row in rows) >= 3
     return {"world_size": world, "device": ranks[0]["device"], "checks": checks, "all_passed": all(checks.values()),

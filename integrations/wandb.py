@@ -47,7 +47,8 @@ def table_row(record: QuarantineRecord) -> list[Any]:
     first = record.stats.get("first_divergent_token")
     first = int(first) if first is not None and first >= 0 else None
     return [
-        record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text, record.completion_text,
+        record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text,
+        record.completion_text if record.full_evidence else "(statistics only: beyond evidence_samples_per_step)",
         record.reward, record.stats.get("max_abs_delta"), record.stats.get("mean_abs_delta"), first,
         record.completion_tokens[first] if first is not None and first < len(record.completion_tokens) else None,
         record.stats.get("engine_mean_logprob"), record.stats.get("trainer_mean_logprob"), record.injected,
@@ -119,8 +120,9 @@ class WandbSink:
         chart = spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta,
                             self.image_dir / f"spikes_step{report.step:07d}.png", title=f"Engine vs trainer |Δ| up to step {report.step}")
         images[f"{PREFIX}spike_chart"] = self.wandb.Image(str(chart), caption=f"up to step {report.step}")
-        if records:
-            worst = max(records, key=lambda record: record.stats.get("max_abs_delta") or 0.0)
+        full = [record for record in records if record.full_evidence]
+        if full:
+            worst = max(full, key=lambda record: record.stats.get("max_abs_delta") or 0.0)
             path = token_chart(worst, self.image_dir / f"worst_step{report.step:07d}_row{worst.global_row}.png")
             images[f"{PREFIX}worst_sample"] = self.wandb.Image(
                 str(path), caption=f"step {worst.step}, rollout {worst.global_row}: {worst.completion_text[:80]!r}"

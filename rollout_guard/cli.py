@@ -153,8 +153,9 @@ def replay(
     store: Path = typer.Argument(..., help="A quarantine store folder or file (…/rollout_guard/quarantine, or audit's -o DIR/quarantine)."),
     step: int | None = typer.Option(None, help="Step of the record to replay."),
     row: int | None = typer.Option(None, help="Global row of the record (with --step)."),
-    index: int = typer.Option(0, help="Otherwise: the index of the record in the store (0 = oldest)."),
-    all_records: bool = typer.Option(False, "--all", help="Replay every record of the store, one line each."),
+    index: int = typer.Option(0, help="Otherwise: the index of the record in the store (0 = oldest), "
+                       "counting records with tokens only."),
+    all_records: bool = typer.Option(False, "--all", help="Replay every record of the store that has tokens, one line each."),
     model: str | None = typer.Option(None, help="Model to score with (default: the record's model; pass the checkpoint "
                                      "of that step to reproduce the trainer's weights)."),
     engine_model: str | None = typer.Option(None, help="Weights the fresh vLLM engine loads (default: --model); pass "
@@ -182,6 +183,11 @@ def replay(
         raise _fail(f"STORE {store}: {error}") from error
     if not records:
         raise _fail(f"STORE {store}: holds no quarantine records; nothing to replay")
+    without_tokens = sum(not record.full_evidence for record in records)
+    records = [record for record in records if record.full_evidence]  # replay needs the tokens
+    if not records:
+        raise _fail(f"STORE {store}: its {without_tokens} records hold statistics only, no tokens to replay "
+                    "(raise GuardConfig.evidence_samples_per_step to record tokens)")
     if all_records:
         chosen = records
     elif step is not None:

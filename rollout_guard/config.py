@@ -131,6 +131,17 @@ class GuardConfig:
     """Folder for the guard's local files (metrics, quarantine store, charts). ``None``: the trainer's
     ``output_dir`` + ``/rollout_guard``. Default None."""
 
+    evidence_samples_per_step: int = 16
+    """samples per step. Full evidence (token ids, decoded prompt, completion and tokens, engine and trainer
+    logprobs per token) is recorded for at most this many suspect samples per step, the worst first: by the most
+    severe rule that fired, in the verdict's rule order (non-finite values, then the fixed ceilings, then the
+    calibrated rules), then by max |Δ| (largest first), then by rollout index. Every other suspect sample still gets
+    a record with its statistics, rules and rewards but no tokens (``full_evidence`` false), so counts cover all.
+    0 records no tokens at all. Bounds the per-step cost of decoding and writing: a full record of a 16,384-token
+    completion is ~1 MB of JSON, so a step writes at most ~16 MB however many samples are suspect (half the batch
+    can be, under the circuit breaker's default); 16 also covers the HTML report's 10 worst samples and W&B's
+    worst-sample chart. Default 16."""
+
     chart_every_steps: int = 25
     """steps. Redraw the local spike chart every this many guarded steps (and at the end of training).
     Default 25."""
@@ -223,6 +234,10 @@ class GuardConfig:
             raise GuardConfigError("compute_trainer_logprobs", self.compute_trainer_logprobs, "use True or False")
         if self.output_dir is not None and not isinstance(self.output_dir, (str, os.PathLike)):
             raise GuardConfigError("output_dir", self.output_dir, "use a folder path (str or pathlib.Path), or None")
+        if not (isinstance(self.evidence_samples_per_step, int) and not isinstance(self.evidence_samples_per_step, bool)
+                and self.evidence_samples_per_step >= 0):
+            raise GuardConfigError("evidence_samples_per_step", self.evidence_samples_per_step,
+                                   "use a whole number of samples ≥ 0 (0: statistics only, no tokens)")
         for name in ("chart_every_steps", "image_every_steps", "spike_image_min_gap_steps", "alert_baseline_steps", "alert_cooldown_steps"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):

@@ -52,6 +52,9 @@ class QuarantineRecord:
     model: str  # name_or_path of the trained model
     engine: dict[str, Any]  # e.g. {"name": "vllm", "mode": "colocate", "version": "0.31.0"}
     injected: bool | None = None  # ground truth when a fault injector is on
+    # False: statistics, rules, rewards and advantages only; no token ids, texts or per-token logprobs (the step
+    # had more suspect samples than GuardConfig.evidence_samples_per_step and this one was not among the worst)
+    full_evidence: bool = True
     created_unix: float = 0.0
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)

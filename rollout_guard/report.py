@@ -15,6 +15,9 @@ from rollout_guard.statistics import DELTA_BIN_EDGES
 from rollout_guard.store import read_records
 
 
+STATISTICS_ONLY = "(statistics only: not among the step's worst evidence_samples_per_step)"
+
+
 def resolve_run_dir(path: str | Path) -> Path:
     """The guard's folder: ``path`` itself if it holds metrics.jsonl, else ``path/rollout_guard``."""
     path = Path(path)
@@ -99,7 +102,9 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
     if alerts:
         items = "".join(f"<li><b>step {a['step']}</b>: {html.escape(a['title'])}<br><small>{html.escape(a['text'])}</small></li>" for a in alerts)
         sections.append(f"<h2>Alerts ({len(alerts)})</h2><ul>{items}</ul>")
-    worst = sorted(records, key=lambda record: -(record.stats.get("max_abs_delta") or 0.0))[:top]
+    # token by token needs the tokens: records without them (beyond evidence_samples_per_step) are tabled only
+    worst = sorted((record for record in records if record.full_evidence),
+                   key=lambda record: -(record.stats.get("max_abs_delta") or 0.0))[:top]
     if worst:
         plots = "".join(
             _img(token_chart(record, figures / f"worst_{index:02d}_step{record.step}_row{record.global_row}.png"), f"rollout {record.global_row}")
@@ -114,7 +119,8 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
             first_text = ""
             if first is not None and 0 <= first < len(record.completion_tokens):
                 first_text = f"#{int(first)} {record.completion_tokens[int(first)]!r}"
-            cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text, record.completion_text,
+            completion = record.completion_text if record.full_evidence else STATISTICS_ONLY
+            cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text, completion,
                      record.reward, _nan(record.stats.get("max_abs_delta")), _nan(record.stats.get("mean_abs_delta")), first_text, record.injected)
             body.append("<tr>" + "".join(f"<td>{html.escape(format_value(cell))}</td>" for cell in cells) + "</tr>")
         sections.append(
@@ -128,6 +134,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         "quarantined": int(sum(row.get("quarantined") or 0 for row in metrics)),
         "alerts": len(alerts),
         "records in store": len(records),
+        "records without tokens": sum(not record.full_evidence for record in records),
         "unreadable lines skipped": len(problems),
     }
     summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>" for k, v in summary.items())

@@ -40,6 +40,11 @@ from rollout_guard.errors import GuardConfigError
         ("compute_trainer_logprobs", "no"),
         ("compute_trainer_logprobs", 0),
         ("alert_jump", float("inf")),
+        # issue 12 part 1
+        ("evidence_samples_per_step", -1),
+        ("evidence_samples_per_step", 2.0),
+        ("evidence_samples_per_step", True),
+        ("evidence_samples_per_step", None),
     ],
 )
 def test_invalid_values_name_the_field_and_the_fix(field, value):
@@ -71,6 +76,7 @@ def test_borderline_values_are_accepted():
     GuardConfig(doubtful_logprob=math.log(0.5) - 1e-9)
     GuardConfig(output_dir=Path("somewhere"), spike_delta=1, max_quarantine_share=1, alert_jump=1)
     GuardConfig(compute_trainer_logprobs=False, divergence_delta=1e-9)
+    GuardConfig(evidence_samples_per_step=0)  # statistics only
 
 
 def test_equal_confident_and_doubtful_thresholds_are_rejected():

@@ -92,3 +92,39 @@ def test_a_stopped_run_says_so_in_the_report(tmp_path):
 def test_a_run_that_finished_has_no_stop_banner(tmp_path):
     fill_run(tmp_path)
     assert 'class="stopped"' not in build_report(tmp_path).read_text()
+
+
+def _statistics_only(step: int, row: int) -> QuarantineRecord:
+    return QuarantineRecord(
+        step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["mean_drift"],
+        stats={"max_abs_delta": 99.0, "mean_abs_delta": 9.0, "first_divergent_token": 0.0}, prompt_ids=[], completion_ids=[],
+        prompt_text="", completion_text="", completion_tokens=[], engine_logprobs=None, trainer_logprobs=None, reward=0.1,
+        rewards_per_func={"r": 0.1}, advantage_before=0.2, advantage_after=0.0, sampling={}, model="m", engine={},
+        full_evidence=False,
+    )
+
+
+def test_records_without_tokens_are_tabled_but_not_drawn(tmp_path):
+    """Issue 12: records beyond evidence_samples_per_step carry statistics only; the report tables them (marked) and
+    draws token charts from full records only, even when a statistics-only one has the larger |Δ|."""
+    from rollout_guard.report import STATISTICS_ONLY
+    from rollout_guard.store import QuarantineStore
+
+    fill_run(tmp_path)
+    QuarantineStore(tmp_path / "quarantine").append([_statistics_only(3, 1)])
+    page = build_report(tmp_path).read_text()
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == 3  # still one worst sample drawn: the full one
+    assert "<th>records in store</th><td>2</td>" in page and "<th>records without tokens</th><td>1</td>" in page
+    assert STATISTICS_ONLY in page.replace("&#x27;", "'")
+
+
+def test_replay_refuses_a_store_of_statistics_only_records(tmp_path):
+    from typer.testing import CliRunner
+
+    from rollout_guard.cli import app
+    from rollout_guard.store import QuarantineStore
+
+    QuarantineStore(tmp_path / "store").append([_statistics_only(1, 0), _statistics_only(1, 3)])
+    result = CliRunner().invoke(app, ["replay", str(tmp_path / "store")])
+    assert result.exit_code == 2, result.output
+    assert "2 records hold statistics only" in result.output and "evidence_samples_per_step" in result.output

@@ -43,10 +43,10 @@ from rollout_guard.integrations.trl.batch import (
 from rollout_guard.integrations.trl.capture import GuardedStep, host_tensors
 from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state
 from rollout_guard.integrations.trl.fault_injection import StaleContextInjector, inject_stale_context
-from rollout_guard.integrations.trl.records import build_records
+from rollout_guard.integrations.trl.records import build_records, decode_records
 
 __all__ = [
     "STATE_FILE", "TRL_METRIC_KEYS", "TRL_METRIC_PREFIX", "GroupSettings", "GuardedStep", "StaleContextInjector", "TrlGuard", "attach_guard",
-    "NEUTRAL_FILL", "build_records", "check_action_inputs", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
+    "NEUTRAL_FILL", "build_records", "check_action_inputs", "decode_records", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
     "load_state", "loss_mask_of", "quarantine_batch", "replica_differs", "require", "save_state",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -9,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -23,17 +23,20 @@ from rollout_guard.integrations.trl.batch import (
     GroupSettings, check_action_inputs, evidence_of, quarantine_batch, replica_differs, replica_mismatch_message, require,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
-from rollout_guard.integrations.trl.records import build_records
+from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
+from rollout_guard.selection import worst_suspects
 from rollout_guard.sinks import LocalFilesSink, Sink
+from rollout_guard.writer import BackgroundWriter, guard_snapshot
 
 logger = logging.getLogger("rollout_guard")
 
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
 TRL_METRIC_PREFIX = "rollout_guard_window_mean/"
-TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined", "guard_seconds")
+TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined", "guard_seconds",
+                   "overhead_seconds")
 
 
 def default_sinks(report_to: list[str] | str | None, config: GuardConfig, output_dir: Path) -> list[Sink]:
@@ -92,6 +95,9 @@ class TrlGuard:
         if sinks is None:
             sinks = default_sinks(trainer.args.report_to, self.config, self.output_dir) if self.is_main_process else []
         self.sinks = list(sinks)
+        # the sinks' per-step work runs on this thread, off the training thread (main process only)
+        self.writer: BackgroundWriter | None = BackgroundWriter() if self.is_main_process and self.sinks else None
+        self._writer_tokenizer: Any = None
         self.last_report: StepReport | None = None
         self.last_evidence: RolloutEvidence | None = None  # what the latest step was judged on (this process)
         self.last_overhead_seconds = 0.0
@@ -171,8 +177,10 @@ class TrlGuard:
         whatever could fail on one process only (collecting evidence, checking what the action needs, the replica
         of TRL's advantages) happens before the step's one gather and travels in it, so that every process skips,
         raises or acts together; after the gather the action is arithmetic on checked inputs."""
+        started = time.perf_counter()
         trainer = self.trainer
         rewards = self._rewards_per_func
+        records: list = []
         replica_failed: torch.Tensor | bool = False
         try:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch)
@@ -199,11 +207,18 @@ class TrlGuard:
                                      f"checking its inputs ({type(error).__name__}: {error}); stopping rather than "
                                      "training this process unguarded") from error
             if report.metrics["suspect"] > 0:
-                self._publish_records(guarded, report, evidence, rewards, batch.get("advantages"))
+                records = self._publish_records(guarded, report, evidence, rewards, batch.get("advantages"))
+        # the adapter's whole cost this step, up to handing the sinks' work to the writer (which is then cheap)
+        report.metrics["overhead_seconds"] = time.perf_counter() - started
         for key in TRL_METRIC_KEYS:
             if key in report.metrics:
                 trainer._metrics["train"][f"{TRL_METRIC_PREFIX}{key}"].append(report.metrics[key])
-        self._to_sinks("on_step", report, self.guard)
+        self._writer_failures()
+        view = guard_snapshot(self.guard) if self.is_main_process and self.sinks else self.guard
+        if records:
+            self._decode(records)
+            self._to_sinks("on_records", records, view)
+        self._to_sinks("on_step", report, view)
         if report.stop_training:
             self._stop(report)
         return guarded
@@ -232,25 +247,81 @@ class TrlGuard:
             raise CircuitBreakerTripped(report.stop_training)
 
     def _publish_records(self, batch: dict[str, Any], report: StepReport, evidence: Any, rewards: torch.Tensor | None,
-                         advantages_before: torch.Tensor | None) -> None:
+                         advantages_before: torch.Tensor | None) -> list:
+        """Every suspect sample's record, on the main process (others get []): full evidence for the step's worst
+        ``evidence_samples_per_step`` (chosen from the gathered report, so the same rows on every process),
+        statistics only for the rest."""
         try:
+            full_rows = set(worst_suspects(report.samples, report.reasons, self.config.evidence_samples_per_step).tolist())
             records = build_records(self.trainer, self.config, self.guard.process_index, batch, report, evidence, rewards,
-                                    advantages_before)
+                                    advantages_before, full_rows=full_rows, decode=False)
         except Exception as error:
             self._failure("writing evidence records", error)
             records = []
-        # every process calls gather_object on the same steps (metrics are identical on all ranks)
-        gathered = gather_object(records) if self.trainer.accelerator.num_processes > 1 else records
-        self._to_sinks("on_records", gathered, self.guard)
+        # every process calls this on the same steps (metrics are identical on all ranks)
+        return self._gather_to_main(records)
+
+    def _gather_to_main(self, records: list) -> list:
+        """The records of all processes, in rank order, on the main process only (one ``gather_object`` to rank 0,
+        not to every rank); a single process makes no collective call."""
+        world = self.trainer.accelerator.num_processes
+        if world == 1:
+            return records
+        import torch.distributed as dist
+
+        parts: list | None = [None] * world if self.is_main_process else None
+        dist.gather_object(records, parts, dst=0)
+        return [record for part in parts for record in part] if parts is not None else []
+
+    def _decode(self, records: list) -> None:
+        """Decode the records' tokens (main process), on the background writer before the sinks see them. The
+        writer decodes with its own copy of the tokenizer: a fast tokenizer is not safe to use from two threads
+        while the trainer pads a batch with it ("Already borrowed")."""
+        if not self.is_main_process or not self.sinks:
+            return
+        if self._writer_tokenizer is None:
+            tokenizer = self.trainer.processing_class
+            try:
+                self._writer_tokenizer = copy.deepcopy(tokenizer) if self.writer is not None else tokenizer
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is used here, on this thread
+                self._writer_tokenizer = tokenizer
+        tokenizer = self._writer_tokenizer
+        if self.writer is not None and tokenizer is not self.trainer.processing_class:
+            self.writer.submit("decoding evidence tokens", decode_records, records, tokenizer)
+            return
+        try:
+            decode_records(records, tokenizer)
+        except Exception as error:
+            self._failure("decoding evidence tokens", error)
 
     def _to_sinks(self, event: str, *payload: Any) -> None:
+        """Hand each sink's ``event`` to the background writer (main process only); without a writer (closed, or
+        no sinks) run it here."""
         if not self.is_main_process:
             return
         for sink in self.sinks:
+            what = f"{type(sink).__name__}.{event}"
+            if self.writer is not None:
+                self.writer.submit(what, getattr(sink, event), *payload)
+                continue
             try:
                 getattr(sink, event)(*payload)
             except Exception as error:
-                self._failure(f"{type(sink).__name__}.{event}", error)
+                self._failure(what, error)
+
+    def flush(self) -> None:
+        """Wait until the background writer has run everything handed to it, then report its failures here."""
+        if self.writer is not None:
+            self.writer.flush()
+        self._writer_failures()
+
+    def _writer_failures(self) -> None:
+        """Report what failed on the writer thread since the last look, on this (the training) thread: raised in
+        strict mode, else counted in ``guard_failures`` and logged."""
+        if self.writer is None:
+            return
+        for what, error in self.writer.take_errors():
+            self._failure(what, error)
 
     def _failure(self, what: str, error: BaseException) -> None:
         if self.config.strict:
@@ -273,7 +344,9 @@ class TrlGuard:
     # -- checkpoints -----------------------------------------------------------------------------------------
 
     def save_state(self, checkpoint_dir: str | Path, global_step: int | None = None) -> Path:
-        """Write the guard's running state (totals, history, alert baselines) next to a TRL checkpoint."""
+        """Write the guard's running state (totals, history, alert baselines) next to a TRL checkpoint, after the
+        background writer has written everything of the steps before it."""
+        self.flush()
         return checkpoint_state.save_state(self.guard, checkpoint_dir, global_step)
 
     def load_state(self, checkpoint_dir: str | Path) -> bool:
@@ -283,6 +356,7 @@ class TrlGuard:
         if state is None:
             return False
         step = checkpoint_state.saved_step(state)
+        self.flush()
         for sink in self.sinks if self.is_main_process else []:
             if hasattr(sink, "on_resume"):
                 try:
@@ -297,6 +371,12 @@ class TrlGuard:
         if self._closed:
             return
         self._closed = True
+        try:
+            self.flush()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
         self._to_sinks("on_end", self.guard)
         if self.stop_reason is not None and self.config.on_ceiling == "stop":
             state = self.trainer.state

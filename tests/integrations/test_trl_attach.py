@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from rollout_guard.errors import GuardError
 
@@ -90,3 +91,124 @@ def test_circuit_breaker_can_raise_after_writing_everything(tiny_model_dir, tmp_
     assert [json.loads(line)["step"] for line in (guard_dir / "metrics.jsonl").read_text().splitlines()] == [1]
     records = list(read_records(guard_dir / "quarantine"))
     assert len(records) == summary["suspect"] > 4 and {r.step for r in records} == {1}
+
+
+class _RecordingSink:
+    """Remembers what reached it; ``fail_on``: events that raise; ``gate``: on_step waits until it is set, then
+    0.5 s more (a slow disk or tracker that the test controls)."""
+
+    def __init__(self, fail_on: tuple[str, ...] = (), gate=None) -> None:  # noqa: ANN001
+        self.fail_on, self.gate = fail_on, gate
+        self.records, self.steps, self.ended = [], [], False
+
+    def on_records(self, records, guard):
+        if "on_records" in self.fail_on:
+            raise OSError("disk full (test)")
+        self.records.extend(records)
+
+    def on_step(self, report, guard):
+        import time
+
+        if self.gate is not None:
+            assert self.gate.wait(60), "the test never opened the gate"
+            time.sleep(0.5)
+        if "on_step" in self.fail_on:
+            raise OSError("tracker down (test)")
+        self.steps.append((report.step, guard.totals.steps, dict(report.metrics)))
+
+    def on_end(self, guard):
+        self.ended = True
+
+
+def test_full_evidence_for_the_worst_k_statistics_for_all(tiny_model_dir, tmp_path):
+    """Issue 12 part 1: with evidence_samples_per_step=2 every suspect sample still gets a record, the two worst of
+    each step (the documented order, on the gathered report) with tokens decoded in one batch exactly as one by
+    one, the rest without tokens; metrics carry overhead_seconds ≥ guard_seconds."""
+    from transformers import AutoTokenizer
+
+    from rollout_guard import GuardConfig, read_records
+    from rollout_guard.integrations.hf_rollouts import TransformersRollouts
+    from rollout_guard.integrations.trl import attach_guard
+    from rollout_guard.selection import worst_suspects
+
+    trainer = make_trainer(tiny_model_dir, tmp_path / "trainer", rollouts=TransformersRollouts(stale_context_rate=0.9, seed=3),
+                           max_steps=2)
+    guarded = attach_guard(trainer, GuardConfig(evidence_samples_per_step=2, max_quarantine_share=None,
+                                                output_dir=str(tmp_path / "guard")), keep_steps=True)
+    trainer.train()
+    records = list(read_records(Path(guarded.output_dir) / "quarantine"))
+    suspects = sum(int(step.report.metrics["suspect"]) for step in guarded.steps)
+    assert len(records) == suspects > 2 * len(guarded.steps), "a record for every suspect sample"
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    for step in guarded.steps:
+        mine = [r for r in records if r.step == step.step]
+        assert sorted(r.global_row for r in mine) == torch.nonzero(step.report.suspect).flatten().tolist()
+        full = [r for r in mine if r.full_evidence]
+        assert {r.global_row for r in full} == set(worst_suspects(step.report.samples, step.report.reasons, 2).tolist())
+        for record in full:
+            assert record.completion_ids and len(record.engine_logprobs) == len(record.completion_ids)
+            assert record.completion_tokens == [tokenizer.decode([t]) for t in record.completion_ids]
+            assert record.completion_text == tokenizer.decode(record.completion_ids)
+            assert record.prompt_text == tokenizer.decode(record.prompt_ids)
+        for record in mine:
+            if not record.full_evidence:
+                assert record.rules and record.stats["max_abs_delta"] > 0 and record.reward is not None
+                assert record.completion_ids == [] and record.engine_logprobs is None and record.completion_tokens == []
+    lines = [json.loads(line) for line in (Path(guarded.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(line["overhead_seconds"] >= line["guard_seconds"] > 0 for line in lines)
+
+
+def test_checkpoint_waits_for_the_writer(tiny_model_dir, tmp_path, monkeypatch):
+    """The guard's checkpoint state is saved only after the background writer wrote every step before it: the
+    sink finishes a step only 0.5 s after the checkpoint's save began, and the state file must still come after."""
+    import threading
+
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.hf_rollouts import TransformersRollouts
+    from rollout_guard.integrations.trl import attach_guard
+    from rollout_guard.integrations.trl import checkpoint as checkpoint_state
+
+    trainer = make_trainer(tiny_model_dir, tmp_path / "trainer", rollouts=TransformersRollouts(stale_context_rate=0.5, seed=3),
+                           max_steps=2, save_strategy="steps", save_steps=1)
+    gate = threading.Event()
+    sink = _RecordingSink(gate=gate)
+    guarded = attach_guard(trainer, GuardConfig(max_quarantine_share=None, output_dir=str(tmp_path / "guard")), sinks=[sink])
+    seen_at_save = []
+    original_state, original_save = checkpoint_state.save_state, guarded.save_state
+
+    def state_file_written(guard, checkpoint_dir, global_step=None):
+        seen_at_save.append((global_step, [step for step, _, _ in sink.steps]))
+        return original_state(guard, checkpoint_dir, global_step)
+
+    def save_state(checkpoint_dir, global_step=None):
+        gate.set()  # the sink may finish the pending step now (0.5 s later)
+        try:
+            return original_save(checkpoint_dir, global_step)
+        finally:
+            gate.clear()
+
+    monkeypatch.setattr(checkpoint_state, "save_state", state_file_written)
+    guarded.save_state = save_state
+    trainer.train()
+    assert seen_at_save == [(1, [1]), (2, [1, 2])]
+    assert sink.ended and [totals for _, totals, _ in sink.steps] == [1, 2], "each step saw the guard as it stood then"
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_failing_sink_surfaces_on_the_training_thread(tiny_model_dir, tmp_path, strict):
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.hf_rollouts import TransformersRollouts
+    from rollout_guard.integrations.trl import attach_guard
+
+    trainer = make_trainer(tiny_model_dir, tmp_path / "trainer", rollouts=TransformersRollouts(stale_context_rate=0.9, seed=3),
+                           max_steps=2)
+    sink = _RecordingSink(fail_on=("on_records",))
+    guarded = attach_guard(trainer, GuardConfig(max_quarantine_share=None, strict=strict, output_dir=str(tmp_path / "guard")),
+                           sinks=[sink])
+    if strict:
+        with pytest.raises(OSError, match="disk full"):
+            trainer.train()
+        return
+    trainer.train()
+    assert guarded.guard.totals.failures == 2, "one failed on_records per step, counted on the training thread"
+    assert [step for step, _, _ in sink.steps] == [1, 2] and sink.ended
