@@ -23,6 +23,7 @@ from rollout_guard.integrations.trl.batch import (
     GroupSettings, check_action_inputs, evidence_of, quarantine_batch, replica_differs, replica_mismatch_message, require,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
+from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
 from rollout_guard.integrations.trl.records import build_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
@@ -89,8 +90,17 @@ class TrlGuard:
         self.settings = GroupSettings.of(trainer)
         self.is_main_process = accelerator.is_main_process
         self.output_dir = Path(self.config.output_dir or os.path.join(trainer.args.output_dir, "rollout_guard"))
+        # engine context of each rollout (vLLM only): wraps this trainer's engine calls, no extra round trip
+        self.engine_context = EngineContextCollector.attach(trainer)
+        self._engine_step: StepEngineContext | None = None
         if sinks is None:
             sinks = default_sinks(trainer.args.report_to, self.config, self.output_dir) if self.is_main_process else []
+            if self.is_main_process and self.engine_context is not None:
+                from rollout_guard.engine_view import EngineContextSink
+
+                report_to = trainer.args.report_to
+                sinks.append(EngineContextSink(self.output_dir, lambda: self._engine_step, self.config.chart_every_steps,
+                                               wandb="wandb" in ([report_to] if isinstance(report_to, str) else list(report_to or []))))
         self.sinks = list(sinks)
         self.last_report: StepReport | None = None
         self.last_evidence: RolloutEvidence | None = None  # what the latest step was judged on (this process)
@@ -136,9 +146,17 @@ class TrlGuard:
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._rewards_per_func = None
+        self._engine_step = None
+        if self.engine_context is not None:
+            self.engine_context.begin_step()
         batch = self._original_generate_and_score(inputs)
         if not self.trainer.model.training:
             return batch
+        if self.engine_context is not None:
+            try:
+                self._engine_step = self.engine_context.end_step(self.local_rows())
+            except Exception as error:
+                self._failure("collecting the engine context", error)
         started = time.perf_counter()
         guarded = self.guard_batch(batch)
         self.last_overhead_seconds = time.perf_counter() - started
@@ -187,6 +205,8 @@ class TrlGuard:
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
                                     check_failed=replica_failed)
         self.last_report = report
+        if self._engine_step is not None and not report.skipped:
+            report.metrics.update(self._engine_step.metrics)  # this process's engine, next to the mismatch
         guarded = batch
         if not report.skipped:
             if report.check_failed_on:
@@ -239,6 +259,7 @@ class TrlGuard:
         except Exception as error:
             self._failure("writing evidence records", error)
             records = []
+        add_context_to_records(records, self._engine_step)
         # every process calls gather_object on the same steps (metrics are identical on all ranks)
         gathered = gather_object(records) if self.trainer.accelerator.num_processes > 1 else records
         self._to_sinks("on_records", gathered, self.guard)
