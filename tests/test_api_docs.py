@@ -12,7 +12,7 @@ import rollout_guard
 README = Path(__file__).resolve().parents[1] / "README.md"
 CORE_MODULES = (
     "config", "errors", "evidence", "guard", "records", "store", "sinks", "console", "extras", "action", "statistics",
-    "verdict", "alerts", "injection", "charts", "report", "calibration",
+    "verdict", "alerts", "injection", "charts", "report", "calibration", "engine_view",
 )
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from rollout_guard.engine_view import engine_history, engine_summary, sample_rows
 from rollout_guard.integrations.vllm_context import (
-    IterationLog, completion_crc32, parse_prometheus, rollout_contexts, server_settings, server_step_context, window_stats,
+    IterationLog, completion_fingerprint, parse_prometheus, rollout_contexts, server_settings, server_step_context, window_stats,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -85,7 +85,7 @@ def test_rollout_contexts_without_stats_leave_timing_missing():
     contexts = rollout_contexts([_output([1, 2, 3, 4], [[5, 6]], cached=2), _output([7], [[8], [9, 10]])], 100.0, None, 3, 0)
     assert len(contexts) == 3  # one per completion, in vLLM's order
     assert contexts[0]["prefix_cache_hit_share"] == 0.5 and contexts[0]["weight_version"] == 3
-    assert contexts[2]["completion_crc32"] == completion_crc32([9, 10]) and contexts[2]["generation_tokens"] == 2
+    assert contexts[2]["completion_fingerprint"] == completion_fingerprint([9, 10]) and contexts[2]["generation_tokens"] == 2
     for context in contexts:
         assert context["preemptions"] is None and context["first_token_s"] is None and context["kv_cache_usage_max"] is None
 
@@ -141,3 +141,14 @@ def test_engine_summary_line():
     line = engine_summary({"rollout": {"weight_version": 2, "kv_cache_usage_max": None}})
     assert line.startswith("weights v2 · KV cache ≤ –")
     json.dumps(line)
+
+
+def test_keeping_only_the_read_families_changes_nothing(scrapes):
+    from rollout_guard.integrations.vllm_context import keep_families
+
+    before, after = scrapes
+    full = server_step_context(parse_prometheus(after), parse_prometheus(before))
+    kept = server_step_context(parse_prometheus(keep_families(after)), parse_prometheus(keep_families(before)))
+    assert full.keys() == kept.keys() and all(full[k] == kept[k] or (math.isnan(full[k]) and math.isnan(kept[k])) for k in full)
+    assert server_settings(keep_families(after)) == server_settings(after)
+    assert len(keep_families(after)) < len(after) / 4

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from rollout_guard.integrations.vllm_context import (
-    ROLLOUT_FIELDS, IterationLog, engine_settings, parse_prometheus, rollout_contexts, scrape_metrics, server_settings,
+    ROLLOUT_FIELDS, IterationLog, engine_settings, keep_families, parse_prometheus, rollout_contexts, scrape_metrics, server_settings,
     server_step_context,
     summarise_iterations,
 )
@@ -193,6 +193,7 @@ class EngineContextCollector:
                        "server_step": server or None} for _ in range(rows)]
             self.engine_calls += 1
             metrics["unmapped_rows"] = 0.0
+            metrics["calls"] = math.nan  # TRL's vllm_client calls are not counted
         injector = getattr(self.trainer, "_rollout_guard_injector", None)
         injected = None if injector is None or injector.last_selected is None else [bool(v) for v in injector.last_selected.tolist()]
         self.seconds += time.perf_counter() - started
@@ -232,6 +233,7 @@ class EngineContextCollector:
         try:
             started = time.perf_counter()
             text = scrape_metrics(f"{parts.scheme}://{parts.netloc}")
+            text = keep_families(text)  # only what is read: parsing vLLM's whole text costs ~30 ms
             now = parse_prometheus(text)
             if self._server_before is None:
                 self.settings.update(server_settings(text))

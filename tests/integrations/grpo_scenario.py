@@ -43,7 +43,7 @@ SCENARIOS = {
     # on CPU, one per request here) so that requests queue and the cache fills
     "engine_state": dict(mode="quarantine", rate=0.5, lr=5e-4, config={}, after_weight_syncs=3, engine_stats=True,
                          engine_kwargs={"num_gpu_blocks_override": 6}),
-    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4, guard={"spike_delta": 8.0},
+    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4, guard={"spike_delta": 8.0}, engine_stats=True,
                      config={"report_to": ["wandb", "trackio"], "project": "rollout-guard-test", "run_name": "trackers"}),
 }
 

@@ -13,7 +13,7 @@ import torch
 from test_trl_e2e import run_scenario
 
 from rollout_guard.engine_view import SAMPLES_FILE, engine_history, read_jsonl, sample_rows
-from rollout_guard.integrations.vllm_context import completion_crc32
+from rollout_guard.integrations.vllm_context import completion_fingerprint
 from rollout_guard.store import read_records
 
 AFTER_SYNCS = 3  # the scenario's gate (grpo_scenario.SCENARIOS["engine_state"])
@@ -64,7 +64,7 @@ def test_records_carry_the_context_that_explains_them(engine_run):
 
 
 def test_every_row_is_joined_to_its_own_engine_output_clean_rows_included(engine_run):
-    """The context of each batch row (suspect or clean) is the engine's output for that row: its CRC of the
+    """The context of each batch row (suspect or clean) is the engine's output for that row: its fingerprint of the
     completion tokens and its length equal those of the completion TRL put in that row."""
     lines = {line["step"]: line for line in engine_run["samples"]}
     clean_with_context = 0
@@ -75,7 +75,7 @@ def test_every_row_is_joined_to_its_own_engine_output_clean_rows_included(engine
         for row in range(raw["completion_ids"].shape[0]):
             ids = raw["completion_ids"][row][raw["completion_mask"][row].bool()].tolist()
             assert context["generation_tokens"][row] == len(ids), (index, row)
-            assert context["completion_crc32"][row] == completion_crc32(ids), (index, row)
+            assert context["completion_fingerprint"][row] == completion_fingerprint(ids), (index, row)
             if not line["suspect"][row]:
                 assert context["weight_version"][row] == index + 1 and context["kv_cache_usage_max"][row] is not None
                 clean_with_context += 1

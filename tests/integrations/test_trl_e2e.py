@@ -252,6 +252,18 @@ def test_server_mode_quarantines_exactly_the_injected_samples(tmp_path_factory, 
     assert check_quarantine_batches(result) >= 3
     records = list(read_records(Path(result["guard_dir"]) / "quarantine"))
     assert records and all(record.engine["mode"] == "server" for record in records)
+    # engine context in server mode: the server's /metrics once per step (per-step values; no per-request fields)
+    rows = [json.loads(line) for line in (Path(result["guard_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [row["engine/weight_version"] for row in rows] == [row["step"] for row in rows]
+    for row in rows:
+        assert row["engine/generation_tokens"] > 0 and row["engine/requests_finished"] > 0, row
+        assert row["engine/running_requests"] >= 0 and 0 <= row["engine/kv_cache_usage"] <= 1, row
+        assert 0 <= row["engine/prefix_cache_hit_share"] <= 1 and row["engine/scrape_seconds"] < 2, row
+    for record in records:
+        assert record.engine["rollout"]["weight_version"] == record.step
+        assert record.engine["rollout"]["server_step"]["generation_tokens"] > 0
+        assert record.engine["rollout"]["kv_cache_usage_max"] is None  # per-request fields: missing, not guessed
+        assert record.engine["settings"]["block_size"] is not None  # from vllm:cache_config_info
 
 
 def test_circuit_breaker_stops_training_cleanly_with_the_reason(tmp_path_factory, tiny_model_dir):
