@@ -91,6 +91,7 @@ class IterationLog:
     waiting: list[int] = field(default_factory=list)
     kv_usage: list[float] = field(default_factory=list)
     preempted: list[int | None] = field(default_factory=list)
+    seconds: float = 0.0  # time spent in ``add`` (this log's own cost)
 
     def add(self, scheduler_stats: Any, iteration_stats: Any, at: float | None = None) -> None:
         if scheduler_stats is None:
@@ -103,8 +104,8 @@ class IterationLog:
 
     def drain(self) -> IterationLog:
         """The iterations so far, leaving this log empty."""
-        taken = IterationLog(self.at, self.running, self.waiting, self.kv_usage, self.preempted)
-        self.at, self.running, self.waiting, self.kv_usage, self.preempted = [], [], [], [], []
+        taken = IterationLog(self.at, self.running, self.waiting, self.kv_usage, self.preempted, self.seconds)
+        self.at, self.running, self.waiting, self.kv_usage, self.preempted, self.seconds = [], [], [], [], [], 0.0
         return taken
 
     def __len__(self) -> int:
@@ -122,9 +123,11 @@ class IterationLog:
         original = manager.record
 
         def record(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
             scheduler_stats = kwargs.get("scheduler_stats", args[0] if args else None)
             iteration_stats = kwargs.get("iteration_stats", args[1] if len(args) > 1 else None)
             log.add(scheduler_stats, iteration_stats)
+            log.seconds += time.perf_counter() - started
             return original(*args, **kwargs)
 
         manager.record = record

@@ -121,7 +121,7 @@ class EngineContextCollector:
             def generate(*args: Any, **kwargs: Any) -> Any:
                 started = time.perf_counter()
                 if self.log is not None:
-                    self.log.drain()  # iterations of other callers (none in TRL) do not belong to this call
+                    self.seconds += self.log.drain().seconds  # iterations of other callers (none in TRL) are not this call's
                 call_started = time.monotonic()
                 self.seconds += time.perf_counter() - started
                 outputs = original_generate(*args, **kwargs)
@@ -140,7 +140,11 @@ class EngineContextCollector:
         """A collector for this trainer, or None when it generates without vLLM (``use_vllm=False``)."""
         if not getattr(trainer, "use_vllm", False) or getattr(trainer, "vllm_generation", None) is None:
             return None
-        return cls(trainer)
+        try:
+            return cls(trainer)
+        except Exception as error:  # noqa: BLE001 - diagnostics only: an unexpected TRL/vLLM layout must not stop training
+            logger.warning("rollout_guard: no engine context for this trainer (%s: %s)", type(error).__name__, error)
+            return None
 
     def _say(self, key: str, message: str) -> None:
         if key not in self._said:
@@ -149,6 +153,8 @@ class EngineContextCollector:
 
     def _record_call(self, outputs: Any, call_started: float, seconds: float) -> None:
         iterations = self.log.drain() if self.log is not None else None
+        if iterations is not None:
+            self.seconds += iterations.seconds  # recording each iteration's scheduler stats, during generation
         contexts = rollout_contexts(outputs, call_started, iterations, self.weight_version, self.engine_calls)
         self.engine_calls += 1
         self.calls.append({"contexts": contexts, "seconds": seconds,

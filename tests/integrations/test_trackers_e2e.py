@@ -65,6 +65,8 @@ def test_chart_images_are_written_and_logged(trackers):
     }
     assert any(key.startswith("rollout_guard/spike_chart") for key in images)
     assert any(key.startswith("rollout_guard/worst_sample") for key in images)
+    # the engine charts (mismatch against the engine's state per step; each rollout against its context), at the end
+    assert {"rollout_guard/engine_chart", "rollout_guard/engine_samples_chart"} <= {key.removesuffix(".path") for key in images}
     for relative in images.values():
         assert (trackers["wandb_run_dir"] / "files" / relative).stat().st_size > 10_000
     spike_steps = [item["train/global_step"] for item in history if "rollout_guard/spike_chart._type" in item]
