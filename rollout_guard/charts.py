@@ -116,6 +116,14 @@ def _column(rows: Sequence[dict], key: str) -> list[float]:
     return [math.nan if row.get(key) is None else float(row[key]) for row in rows]
 
 
+DELTA_FLOOR = 1e-8  # nats: where a |Δ| of exactly 0 is drawn on the log scale of the engine charts
+
+
+def _floored(values: Sequence[float]) -> list[float]:
+    """|Δ| values for a log axis: NaN stays NaN (no tokens), values below :data:`DELTA_FLOOR` (0 included) sit on it."""
+    return [value if math.isnan(value) else max(value, DELTA_FLOOR) for value in values]
+
+
 def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """The mismatch next to the engine's state, per step (rows of :func:`rollout_guard.engine_view.engine_history`).
     Top: max |Δ| (log, left) and quarantined share (right). Middle: KV-cache usage (max and mean over the step's
@@ -123,8 +131,10 @@ def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> 
     preemptions. Missing values (an engine mode that does not give them) leave gaps."""
     steps = [row["step"] for row in history]
     figure, (top, middle, bottom) = plt.subplots(3, 1, figsize=(12, 8), dpi=110, sharex=True, layout="constrained")
-    top.plot(steps, _finite(_column(history, "max_abs_delta")), color="#1f77b4", marker=".", lw=1.2, label="max |Δ| (nats)")
-    top.set_yscale("log")
+    deltas = _floored(_column(history, "max_abs_delta"))
+    top.plot(steps, deltas, color="#1f77b4", marker=".", lw=1.2, label="max |Δ| (nats)")
+    if not all(math.isnan(v) for v in deltas):
+        top.set_yscale("log")
     top.set_ylabel("max |Δ| per step (nats)")
     share = top.twinx()
     share.bar(steps, [100 * v for v in _column(history, "quarantined_share")], color="#d62728", alpha=0.3, width=0.6,
@@ -166,7 +176,7 @@ def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str =
     panels = (("weight_version", "weight version (syncs since start)"), ("kv_cache_usage_max", "KV-cache usage during the rollout, max (%)"),
               ("running_requests_max", "running requests during the rollout, max"))
     figure, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), dpi=110, sharey=True, layout="constrained")
-    delta = _finite(_column(samples, "max_abs_delta"))
+    delta = _floored(_column(samples, "max_abs_delta"))
     suspect = [bool(row.get("suspect")) for row in samples]
     for axis, (key, label) in zip(axes, panels, strict=True):
         xs = _column(samples, key)
@@ -182,8 +192,9 @@ def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str =
                 axis.scatter(*zip(*flagged), s=60, facecolors="none", edgecolors="#d62728", linewidths=1.4, label="suspect")
         axis.set_xlabel(label)
         axis.grid(True, alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("max |logprob engine − trainer| of the rollout (nats)")
+    if not all(math.isnan(v) for v in delta):
+        axes[0].set_yscale("log")
+    axes[0].set_ylabel(f"max |logprob engine − trainer| of the rollout (nats; 0 at {DELTA_FLOOR:g})")
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         figure.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)

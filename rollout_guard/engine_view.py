@@ -138,8 +138,11 @@ class EngineContextSink:
             self.draw()
 
     def on_resume(self, step: int, guard: Any) -> None:
+        """Training resumed from the checkpoint of ``step``: drop later lines (those steps run again) and take the
+        chart's earlier steps from ``metrics.jsonl``."""
         kept = [line for line in read_jsonl(self.path) if int(line.get("step", 0)) <= step]
         self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        self.history = [row for row in read_jsonl(self.directory / "metrics.jsonl") if int(row.get("step", 0)) <= step]
 
     def draw(self) -> list[Path]:
         """Redraw both charts from what this run wrote (needs matplotlib, the ``charts`` extra)."""

@@ -152,3 +152,28 @@ def test_keeping_only_the_read_families_changes_nothing(scrapes):
     assert full.keys() == kept.keys() and all(full[k] == kept[k] or (math.isnan(full[k]) and math.isnan(kept[k])) for k in full)
     assert server_settings(keep_families(after)) == server_settings(after)
     assert len(keep_families(after)) < len(after) / 4
+
+
+def test_engine_sink_writes_rows_and_survives_a_resume(tmp_path):
+    import torch
+
+    from rollout_guard.engine_view import EngineContextSink, read_jsonl
+    from rollout_guard.statistics import SAMPLE_COLUMNS
+
+    step_context = SimpleNamespace(rows=[{"weight_version": 1, "kv_cache_usage_max": 0.5}, None], injected=[False, True])
+    sink = EngineContextSink(tmp_path, lambda: step_context, chart_every_steps=100)
+    for step in (1, 2, 3):
+        samples = torch.zeros(2, len(SAMPLE_COLUMNS), dtype=torch.float64)
+        report = SimpleNamespace(step=step, skipped=False, local_rows=slice(0, 2), samples=samples,
+                                 suspect=torch.tensor([False, True]), quarantined=torch.tensor([False, True]),
+                                 metrics={"max_abs_delta": 0.1, "engine/weight_version": float(step)})
+        (tmp_path / "metrics.jsonl").open("a").write(json.dumps({"step": step, **report.metrics}) + "\n")
+        sink.on_step(report, None)
+    sink.on_resume(2, None)
+    lines = read_jsonl(tmp_path / "engine_samples.jsonl")
+    assert [line["step"] for line in lines] == [1, 2]
+    assert lines[0]["context"]["weight_version"] == [1, None]  # an unmapped row stays missing
+    assert lines[0]["injected"] == [False, True] and lines[0]["suspect"] == [False, True]
+    assert [row["step"] for row in sink.history] == [1, 2]
+    sink.on_end(None)
+    assert (tmp_path / "engine.png").is_file() and (tmp_path / "engine_samples.png").is_file()
