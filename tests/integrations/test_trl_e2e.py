@@ -319,10 +319,14 @@ def test_two_processes_agree_and_match_one_process_on_the_same_data(tmp_path_fac
     injected_total = 0
     for step in range(len(rank0["reports"])):
         r0, r1 = rank0["reports"][step], rank1["reports"][step]
-        # both ranks log identical step metrics and reach the same global verdict
-        same = {k: v for k, v in r0["metrics"].items() if k != "guard_seconds"}
-        other = {k: v for k, v in r1["metrics"].items() if k != "guard_seconds"}
+        # both ranks log identical step metrics and reach the same global verdict; the engine's values (engine/*)
+        # are each process's own engine (colocate mode: one engine per process), not the guard's step metrics
+        same = {k: v for k, v in r0["metrics"].items() if k != "guard_seconds" and not k.startswith("engine/")}
+        other = {k: v for k, v in r1["metrics"].items() if k != "guard_seconds" and not k.startswith("engine/")}
         assert same.keys() == other.keys() and all(v == other[k] or (math.isnan(v) and math.isnan(other[k])) for k, v in same.items())
+        # weight syncs are collective: both engines have the same weight version; each maps its own rows
+        assert r0["metrics"]["engine/weight_version"] == r1["metrics"]["engine/weight_version"] == step + 1
+        assert r0["metrics"]["engine/unmapped_rows"] == r1["metrics"]["engine/unmapped_rows"] == 0
         assert torch.equal(r0["suspect"], r1["suspect"])
         injected = torch.cat([rank0["injected"][step], rank1["injected"][step]])
         injected_total += int(injected.sum())
