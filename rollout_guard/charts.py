@@ -110,3 +110,93 @@ def delta_heatmap(steps: Sequence[int], histograms: Sequence[Sequence[float]], b
     axis.set_ylabel("log10 |logprob engine − trainer|")
     axis.set_title("Token |Δ| histogram per step (fixed bins; the bottom row is |Δ| < 1e-6)")
     return _save(figure, path)
+
+
+def _column(rows: Sequence[dict], key: str) -> list[float]:
+    return [math.nan if row.get(key) is None else float(row[key]) for row in rows]
+
+
+DELTA_FLOOR = 1e-8  # nats: where a |Δ| of exactly 0 is drawn on the log scale of the engine charts
+
+
+def _floored(values: Sequence[float]) -> list[float]:
+    """|Δ| values for a log axis: NaN stays NaN (no tokens), values below :data:`DELTA_FLOOR` (0 included) sit on it."""
+    return [value if math.isnan(value) else max(value, DELTA_FLOOR) for value in values]
+
+
+def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """The mismatch next to the engine's state, per step (rows of :func:`rollout_guard.engine_view.engine_history`).
+    Top: max |Δ| (log, left) and quarantined share (right). Middle: KV-cache usage (max and mean over the step's
+    engine iterations, %, left) and running requests (max, right). Bottom: weight version (syncs since start) and
+    preemptions. Missing values (an engine mode that does not give them) leave gaps."""
+    steps = [row["step"] for row in history]
+    figure, (top, middle, bottom) = plt.subplots(3, 1, figsize=(12, 8), dpi=110, sharex=True, layout="constrained")
+    deltas = _floored(_column(history, "max_abs_delta"))
+    top.plot(steps, deltas, color="#1f77b4", marker=".", lw=1.2, label="max |Δ| (nats)")
+    if not all(math.isnan(v) for v in deltas):
+        top.set_yscale("log")
+    top.set_ylabel("max |Δ| per step (nats)")
+    share = top.twinx()
+    share.bar(steps, [100 * v for v in _column(history, "quarantined_share")], color="#d62728", alpha=0.3, width=0.6,
+              label="quarantined share (%)")
+    share.set_ylabel("quarantined (%)")
+    share.set_ylim(0, 100)
+    top.set_title(title or "Mismatch against the engine's state per step")
+    usage_max = _column(history, "engine/kv_cache_usage_max")
+    if all(math.isnan(v) for v in usage_max):  # server mode: the gauge at scrape time
+        usage_max = _column(history, "engine/kv_cache_usage")
+    middle.plot(steps, [100 * v for v in usage_max], color="#9467bd", marker="o", ms=3, lw=1.2, label="KV-cache usage, max (%)")
+    middle.plot(steps, [100 * v for v in _column(history, "engine/kv_cache_usage_mean")], color="#9467bd", ls="--", lw=1,
+                label="KV-cache usage, mean (%)")
+    middle.set_ylabel("KV-cache usage (%)")
+    running = middle.twinx()
+    running_max = _column(history, "engine/running_requests_max")
+    if all(math.isnan(v) for v in running_max):
+        running_max = _column(history, "engine/running_requests")
+    running.plot(steps, running_max, color="#2ca02c", marker="s", ms=3, lw=1.2, label="running requests, max")
+    running.set_ylabel("running requests")
+    bottom.step(steps, _column(history, "engine/weight_version"), where="mid", color="#ff7f0e", lw=1.5, label="weight version (syncs)")
+    bottom.set_ylabel("weight version")
+    preempted = bottom.twinx()
+    preempted.plot(steps, _column(history, "engine/preemptions"), color="#8c564b", marker="x", lw=0.8, label="preemptions")
+    preempted.set_ylabel("preemptions")
+    bottom.set_xlabel("training step")
+    for axis in (top, middle, bottom):
+        axis.grid(True, alpha=0.3)
+    handles = [h for axis in (top, share, middle, running, bottom, preempted) for h in axis.get_legend_handles_labels()[0]]
+    figure.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
+    return _save(figure, path)
+
+
+def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Each rollout's max |Δ| (log) against its own engine context (rows of
+    :func:`rollout_guard.engine_view.sample_rows`): weight version, KV-cache usage during its life (max) and running
+    requests during its life (max); suspect rollouts circled in red. A panel whose field the engine did not give
+    says so."""
+    panels = (("weight_version", "weight version (syncs since start)"), ("kv_cache_usage_max", "KV-cache usage during the rollout, max (%)"),
+              ("running_requests_max", "running requests during the rollout, max"))
+    figure, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), dpi=110, sharey=True, layout="constrained")
+    delta = _floored(_column(samples, "max_abs_delta"))
+    suspect = [bool(row.get("suspect")) for row in samples]
+    for axis, (key, label) in zip(axes, panels, strict=True):
+        xs = _column(samples, key)
+        if key == "kv_cache_usage_max":
+            xs = [100 * v for v in xs]
+        if all(math.isnan(v) for v in xs):
+            axis.text(0.5, 0.5, f"{key}: not given by this engine mode\n(engine stats off?)", ha="center", va="center",
+                      transform=axis.transAxes, fontsize=9, color="#7f7f7f")
+        else:
+            axis.scatter(xs, delta, s=12, color="#1f77b4", alpha=0.6, label="rollout")
+            flagged = [(x, y) for x, y, s in zip(xs, delta, suspect, strict=True) if s]
+            if flagged:
+                axis.scatter(*zip(*flagged), s=60, facecolors="none", edgecolors="#d62728", linewidths=1.4, label="suspect")
+        axis.set_xlabel(label)
+        axis.grid(True, alpha=0.3)
+    if not all(math.isnan(v) for v in delta):
+        axes[0].set_yscale("log")
+    axes[0].set_ylabel(f"max |logprob engine − trainer| of the rollout (nats; 0 at {DELTA_FLOOR:g})")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        figure.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+    figure.suptitle(title or f"Each rollout's mismatch against its engine context ({len(samples)} rollouts)", fontsize=10)
+    return _save(figure, path)

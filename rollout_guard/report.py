@@ -9,7 +9,8 @@ import math
 import warnings
 from pathlib import Path
 
-from rollout_guard.charts import delta_heatmap, spike_chart, token_chart
+from rollout_guard.charts import delta_heatmap, engine_chart, engine_samples_chart, spike_chart, token_chart
+from rollout_guard.engine_view import SAMPLES_FILE, engine_history, engine_summary, read_jsonl, sample_rows
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.statistics import DELTA_BIN_EDGES
 from rollout_guard.store import read_records
@@ -63,6 +64,21 @@ def format_value(value: object) -> str:
     return "–" if value is None else str(value)
 
 
+def _engine_sections(run_dir: Path, metrics: list[dict], figures: Path) -> list[str]:
+    """The engine context sections: the mismatch against the engine's state per step, and each rollout's |Δ|
+    against its own engine context (suspect ones circled)."""
+    sections = []
+    history = engine_history(metrics)
+    if history:
+        chart = engine_chart(history, figures / "engine.png")
+        sections.append(f"<h2>Mismatch against the engine's state per step</h2>{_img(chart, 'engine chart')}")
+    samples = sample_rows(read_jsonl(run_dir / SAMPLES_FILE))
+    if samples:
+        chart = engine_samples_chart(samples, figures / "engine_samples.png")
+        sections.append(f"<h2>Each rollout against its engine context</h2>{_img(chart, 'engine per-sample chart')}")
+    return sections
+
+
 def build_report(run_dir: str | Path, output: str | Path | None = None, top: int = 10) -> Path:
     """Write ``report.html`` (and its PNGs under ``report/``) for a guard output folder; returns the HTML path."""
     run_dir = resolve_run_dir(run_dir)
@@ -96,6 +112,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         if histograms and len(histograms) == len(metrics):
             heatmap = delta_heatmap([row["step"] for row in metrics], histograms, DELTA_BIN_EDGES.tolist(), figures / "histogram.png")
             sections.append(f"<h2>Token |Δ| histogram per step</h2>{_img(heatmap, 'histogram heatmap')}")
+    sections.extend(_engine_sections(run_dir, metrics, figures))
     if problems:
         items = "".join(f"<li>{html.escape(problem)}</li>" for problem in problems)
         sections.append(f"<h2>Unreadable lines skipped ({len(problems)})</h2><ul>{items}</ul>")
@@ -112,7 +129,8 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         )
         sections.append(f"<h2>Worst {len(worst)} samples, token by token</h2>{plots}")
     if records:
-        header = ("step", "rollout", "action", "rules", "prompt", "completion", "reward", "max |Δ|", "mean |Δ|", "first divergent", "injected")
+        header = ("step", "rollout", "action", "rules", "prompt", "completion", "reward", "max |Δ|", "mean |Δ|", "first divergent", "injected",
+                  "engine context")
         body = []
         for record in records:
             first = record.stats.get("first_divergent_token")
@@ -121,7 +139,8 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
                 first_text = f"#{int(first)} {record.completion_tokens[int(first)]!r}"
             completion = record.completion_text if record.full_evidence else STATISTICS_ONLY
             cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text, completion,
-                     record.reward, _nan(record.stats.get("max_abs_delta")), _nan(record.stats.get("mean_abs_delta")), first_text, record.injected)
+                     record.reward, _nan(record.stats.get("max_abs_delta")), _nan(record.stats.get("mean_abs_delta")), first_text, record.injected,
+                     engine_summary(record.engine))
             body.append("<tr>" + "".join(f"<td>{html.escape(format_value(cell))}</td>" for cell in cells) + "</tr>")
         sections.append(
             f"<h2>Quarantined samples ({len(records)})</h2><table><tr>"

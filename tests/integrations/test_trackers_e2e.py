@@ -42,6 +42,10 @@ def test_true_per_step_values_with_train_global_step(trackers):
         for key in ("max_abs_delta", "p99_abs_delta", "quarantined", "quarantined_share", "confident_wrong_tokens",
                     "engine_max_logprob", "nonfinite_engine_tokens", "rule/token_spike"):
             assert item[f"rollout_guard/{key}"] == pytest.approx(row[key]), key
+        # the engine's state next to the mismatch (engine stats on in this scenario)
+        for key in ("engine/weight_version", "engine/kv_cache_usage_max", "engine/running_requests_max", "engine/prefix_cache_hit_share"):
+            assert item[f"rollout_guard/{key}"] == pytest.approx(row[key]), key
+        assert item["rollout_guard/engine/weight_version"] == row["step"]
         assert item["rollout_guard/log10_abs_delta._type"] == "histogram"
         assert len(item["rollout_guard/log10_abs_delta.bins"]) == len(item["rollout_guard/log10_abs_delta.values"]) + 1
         assert sum(item["rollout_guard/log10_abs_delta.values"]) == row["compared_tokens"]
@@ -61,6 +65,8 @@ def test_chart_images_are_written_and_logged(trackers):
     }
     assert any(key.startswith("rollout_guard/spike_chart") for key in images)
     assert any(key.startswith("rollout_guard/worst_sample") for key in images)
+    # the engine charts (mismatch against the engine's state per step; each rollout against its context), at the end
+    assert {"rollout_guard/engine_chart", "rollout_guard/engine_samples_chart"} <= {key.removesuffix(".path") for key in images}
     for relative in images.values():
         assert (trackers["wandb_run_dir"] / "files" / relative).stat().st_size > 10_000
     spike_steps = [item["train/global_step"] for item in history if "rollout_guard/spike_chart._type" in item]
@@ -109,3 +115,5 @@ def test_trackio_receives_the_same_scalars(trackers):
     for row, expected in zip(ours, local, strict=True):
         assert row["rollout_guard/quarantined"] == expected["quarantined"]
         assert math.isclose(row["rollout_guard/max_abs_delta"], expected["max_abs_delta"], rel_tol=1e-6)
+        assert row["rollout_guard/engine/weight_version"] == expected["engine/weight_version"] == expected["step"]
+        assert math.isclose(row["rollout_guard/engine/kv_cache_usage_max"], expected["engine/kv_cache_usage_max"], rel_tol=1e-6)

@@ -252,6 +252,18 @@ def test_server_mode_quarantines_exactly_the_injected_samples(tmp_path_factory, 
     assert check_quarantine_batches(result) >= 3
     records = list(read_records(Path(result["guard_dir"]) / "quarantine"))
     assert records and all(record.engine["mode"] == "server" for record in records)
+    # engine context in server mode: the server's /metrics once per step (per-step values; no per-request fields)
+    rows = [json.loads(line) for line in (Path(result["guard_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [row["engine/weight_version"] for row in rows] == [row["step"] for row in rows]
+    for row in rows:
+        assert row["engine/generation_tokens"] > 0 and row["engine/requests_finished"] > 0, row
+        assert row["engine/running_requests"] >= 0 and 0 <= row["engine/kv_cache_usage"] <= 1, row
+        assert 0 <= row["engine/prefix_cache_hit_share"] <= 1 and row["engine/scrape_seconds"] < 2, row
+    for record in records:
+        assert record.engine["rollout"]["weight_version"] == record.step
+        assert record.engine["rollout"]["server_step"]["generation_tokens"] > 0
+        assert record.engine["rollout"]["kv_cache_usage_max"] is None  # per-request fields: missing, not guessed
+        assert record.engine["settings"]["block_size"] is not None  # from vllm:cache_config_info
 
 
 def test_circuit_breaker_stops_training_cleanly_with_the_reason(tmp_path_factory, tiny_model_dir):
@@ -307,10 +319,15 @@ def test_two_processes_agree_and_match_one_process_on_the_same_data(tmp_path_fac
     injected_total = 0
     for step in range(len(rank0["reports"])):
         r0, r1 = rank0["reports"][step], rank1["reports"][step]
-        # both ranks log identical step metrics and reach the same global verdict
-        same = {k: v for k, v in r0["metrics"].items() if k not in ("guard_seconds", "overhead_seconds")}
-        other = {k: v for k, v in r1["metrics"].items() if k not in ("guard_seconds", "overhead_seconds")}
+        # both ranks log identical step metrics and reach the same global verdict; the engine's values (engine/*)
+        # are each process's own engine (colocate mode: one engine per process), not the guard's step metrics
+        ignored = ("guard_seconds", "overhead_seconds")
+        same = {k: v for k, v in r0["metrics"].items() if k not in ignored and not k.startswith("engine/")}
+        other = {k: v for k, v in r1["metrics"].items() if k not in ignored and not k.startswith("engine/")}
         assert same.keys() == other.keys() and all(v == other[k] or (math.isnan(v) and math.isnan(other[k])) for k, v in same.items())
+        # weight syncs are collective: both engines have the same weight version; each maps its own rows
+        assert r0["metrics"]["engine/weight_version"] == r1["metrics"]["engine/weight_version"] == step + 1
+        assert r0["metrics"]["engine/unmapped_rows"] == r1["metrics"]["engine/unmapped_rows"] == 0
         assert torch.equal(r0["suspect"], r1["suspect"])
         injected = torch.cat([rank0["injected"][step], rank1["injected"][step]])
         injected_total += int(injected.sum())

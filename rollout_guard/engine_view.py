@@ -1,0 +1,195 @@
+"""The engine context next to the mismatch: per-step rows for the engine chart, per-rollout rows for the per-sample
+view, and the sink that writes them (``engine_samples.jsonl``, ``engine.png``, ``engine_samples.png``).
+
+The contexts come from the adapter (``rollout_guard.integrations.trl.engine_context``); this module only joins
+them to the guard's per-sample statistics and draws them. Missing values stay None (JSON null) / NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from rollout_guard.records import json_safe
+from rollout_guard.statistics import COLUMN
+
+logger = logging.getLogger("rollout_guard")
+
+ENGINE_PREFIX = "engine/"
+# per-step values the engine chart draws, with the mismatch values next to them
+HISTORY_KEYS = ("max_abs_delta", "quarantined_share", "suspect_share", "engine/kv_cache_usage_max", "engine/kv_cache_usage_mean",
+                "engine/running_requests_max", "engine/waiting_requests_max", "engine/weight_version", "engine/preemptions",
+                "engine/prefix_cache_hit_share", "engine/kv_cache_usage", "engine/running_requests")
+SAMPLES_FILE = "engine_samples.jsonl"
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else math.nan
+
+
+def engine_history(metrics_rows: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per-step rows for :func:`rollout_guard.charts.engine_chart` from ``metrics.jsonl`` rows (NaN where missing);
+    steps without any ``engine/`` value are left out.
+
+    >>> rows = [{"step": 1, "max_abs_delta": 0.01, "quarantined_share": 0.0, "engine/weight_version": 1.0},
+    ...         {"step": 2, "max_abs_delta": 9.0, "quarantined_share": 0.5, "engine/weight_version": 2.0}, {"step": 3}]
+    >>> [(row["step"], row["engine/weight_version"], row["quarantined_share"]) for row in engine_history(rows)]
+    [(1, 1.0, 0.0), (2, 2.0, 0.5)]
+    """
+    history = []
+    for row in metrics_rows:
+        if not any(key.startswith(ENGINE_PREFIX) for key in row):
+            continue
+        history.append({"step": row["step"], **{key: _number(row.get(key)) for key in HISTORY_KEYS}})
+    return history
+
+
+def sample_rows(lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One dict per rollout from ``engine_samples.jsonl`` lines: step, global row, |Δ| statistics, verdict and the
+    engine context fields (the last line of a step wins: a resumed run writes its steps again).
+
+    >>> line = {"step": 3, "rows": [0, 1], "max_abs_delta": [0.1, 12.0], "suspect": [False, True],
+    ...         "context": {"weight_version": [3, 3], "kv_cache_usage_max": [0.1, None]}}
+    >>> [(r["row"], r["suspect"], r["weight_version"], r["kv_cache_usage_max"]) for r in sample_rows([line])]
+    [(0, False, 3, 0.1), (1, True, 3, None)]
+    """
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        by_step[int(line["step"])] = line
+    rows = []
+    for step in sorted(by_step):
+        line = by_step[step]
+        context = line.get("context") or {}
+        for index, row in enumerate(line["rows"]):
+            sample = {"step": step, "row": row}
+            for key in ("max_abs_delta", "mean_abs_delta", "suspect", "quarantined", "injected"):
+                values = line.get(key)
+                sample[key] = values[index] if values is not None else None
+            sample.update({name: values[index] for name, values in context.items()})
+            rows.append(sample)
+    return rows
+
+
+def samples_line(step: int, rows: range, samples: Any, suspect: Any, quarantined: Any, contexts: list[dict | None],
+                 injected: list[bool] | None) -> dict[str, Any]:
+    """One ``engine_samples.jsonl`` line: this process's rows of the step (global row numbers), their |Δ|
+    statistics (from the guard's per-sample table), verdict, injection ground truth, and the contexts column-wise."""
+    names: list[str] = []
+    for context in contexts:
+        for name in context or {}:
+            if name not in names:
+                names.append(name)
+    columns = {name: [None if context is None else context.get(name) for context in contexts] for name in names}
+    return json_safe({
+        "step": step, "rows": list(rows),
+        "max_abs_delta": [float(samples[row, COLUMN["max_abs_delta"]]) for row in rows],
+        "mean_abs_delta": [float(samples[row, COLUMN["mean_abs_delta"]]) for row in rows],
+        "suspect": [bool(suspect[row]) for row in rows], "quarantined": [bool(quarantined[row]) for row in rows],
+        "injected": injected, "context": columns,
+    })
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if path.is_file():
+        for line in path.read_bytes().split(b"\n"):
+            try:
+                rows.append(json.loads(line)) if line.strip() else None
+            except ValueError:
+                continue
+    return rows
+
+
+class EngineContextSink:
+    """Writes each step's per-rollout engine context next to its |Δ| (``engine_samples.jsonl``) and draws
+    ``engine.png`` (per step: max |Δ| and quarantined share against KV-cache usage, running requests and weight
+    version) and ``engine_samples.png`` (per rollout). The per-step ``engine/*`` values themselves travel in the
+    step's metrics (``metrics.jsonl``, W&B, trackio). ``source``: returns the latest step's engine context (an object
+    with ``rows``, ``injected``); ``wandb``: also send the charts to the active W&B run."""
+
+    def __init__(self, directory: str | Path, source: Callable[[], Any], chart_every_steps: int = 50, wandb: bool = False) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.source = source
+        self.chart_every_steps = chart_every_steps
+        self.wandb = wandb
+        self.path = self.directory / SAMPLES_FILE
+        self.history: list[dict[str, Any]] = []
+        self._steps = 0
+
+    def on_records(self, records: list, guard: Any) -> None:
+        pass
+
+    def on_step(self, report: Any, guard: Any) -> None:
+        step = self.source()
+        if step is None or report.skipped:
+            return
+        line = samples_line(report.step, range(report.local_rows.start, report.local_rows.stop), report.samples,
+                            report.suspect, report.quarantined, step.rows, step.injected)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(line) + "\n")
+        self.history.append({"step": report.step, **report.metrics})
+        self._steps += 1
+        if self._steps % self.chart_every_steps == 0:
+            self.draw()
+
+    def on_resume(self, step: int, guard: Any) -> None:
+        """Training resumed from the checkpoint of ``step``: drop later lines (those steps run again) and take the
+        chart's earlier steps from ``metrics.jsonl``."""
+        kept = [line for line in read_jsonl(self.path) if int(line.get("step", 0)) <= step]
+        self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        self.history = [row for row in read_jsonl(self.directory / "metrics.jsonl") if int(row.get("step", 0)) <= step]
+
+    def draw(self) -> list[Path]:
+        """Redraw both charts from what this run wrote (needs matplotlib, the ``charts`` extra)."""
+        try:
+            from rollout_guard.charts import engine_chart, engine_samples_chart
+        except ImportError:
+            return []
+        paths = []
+        history = engine_history(self.history)
+        if history:
+            paths.append(engine_chart(history, self.directory / "engine.png"))
+        samples = sample_rows(read_jsonl(self.path))
+        if samples:
+            paths.append(engine_samples_chart(samples, self.directory / "engine_samples.png"))
+        return paths
+
+    def on_end(self, guard: Any) -> None:
+        paths = self.draw()
+        if self.wandb and paths:
+            try:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.run.log({f"rollout_guard/{path.stem}_chart": wandb.Image(str(path)) for path in paths}
+                                  | {"train/global_step": self.history[-1]["step"] if self.history else 0})
+            except Exception as error:  # noqa: BLE001
+                logger.warning("rollout_guard: engine charts not sent to W&B (%s: %s)", type(error).__name__, error)
+
+
+def engine_summary(engine: dict[str, Any] | None) -> str:
+    """A record's engine context in one line (report tables), fields absent from the record shown as '–'.
+
+    >>> engine_summary({"name": "vllm", "rollout": {"weight_version": 3, "kv_cache_usage_max": 0.0123, "running_requests_max": 16,
+    ...                 "cached_tokens": 0, "prompt_tokens": 13, "preemptions": None, "scheduled_s": 0.5, "last_token_s": 1.25}})
+    'weights v3 · KV cache ≤ 1.23 % · running ≤ 16 · prefix hit 0/13 · preempted – · ran 0.5–1.25 s'
+    >>> engine_summary({"name": "transformers"})
+    '–'
+    """
+    context = (engine or {}).get("rollout")
+    if not context:
+        return "–"
+
+    def show(value: Any, fmt: str = "{}") -> str:
+        return "–" if value is None else fmt.format(value)
+
+    usage = context.get("kv_cache_usage_max")
+    return (f"weights v{show(context.get('weight_version'))} · KV cache ≤ {show(None if usage is None else 100 * usage, '{:.3g} %')} · "
+            f"running ≤ {show(context.get('running_requests_max'))} · prefix hit {show(context.get('cached_tokens'))}/"
+            f"{show(context.get('prompt_tokens'))} · preempted {show(context.get('preemptions'))} · "
+            f"ran {show(context.get('scheduled_s'), '{:.3g}')}–{show(context.get('last_token_s'), '{:.3g}')} s")
