@@ -35,6 +35,9 @@ SCENARIOS = {
     # a barely trained (high-entropy) policy sampled with top_k=5: vLLM's processed logprobs sit ~1.5 nats above
     # the trainer's on every token; no corruption at all, the default breaker on
     "topk_high_entropy": dict(mode="quarantine", rate=None, lr=5e-4, config={"top_k": 5}, guard={"max_quarantine_share": 0.5}),
+    # mask_truncated_completions with completions cut at 6 tokens: the copies of 6–8 letters (about half) never reach
+    # EOS, so TRL masks them out; the guard must still judge them (and take flagged ones out of the baseline)
+    "truncated": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"mask_truncated_completions": True, "max_completion_length": 6}),
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
     # spike_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
     # scenario checks that both alert kinds reach the trackers
@@ -181,6 +184,17 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         from dataclasses import replace
 
         guarded.settings = replace(guarded.settings, scale_rewards="none")
+    truncated_passes: list = []
+    if name == "truncated":  # the cost of the guard's pass over the truncated rows, per generation step
+        guarded_generate = trainer._generate_and_score_completions
+
+        def recording(inputs):
+            guarded.last_truncated_pass = None
+            batch = guarded_generate(inputs)
+            truncated_passes.append(guarded.last_truncated_pass)
+            return batch
+
+        trainer._generate_and_score_completions = recording
     started = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=resume_from)
@@ -207,7 +221,8 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         invariance = loss_invariance(trainer, raw[step], guarded_batches[step])
     torch.save(
         {
-            "loss_invariance": invariance,
+            "loss_invariance": invariance, "truncated_passes": truncated_passes,
+            "evidence": [step.evidence for step in kept],
             "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": [step.rewards_per_func for step in kept],
             "injected": [step.injected for step in kept],
             "reports": reports, "log_history": trainer.state.log_history, "summary": guarded.guard.summary(),

@@ -225,6 +225,40 @@ def test_without_importance_sampling_the_guard_computes_trainer_logprobs(tmp_pat
     assert log.count("extra no-grad forward pass") == 1
 
 
+def test_truncated_rows_are_judged_and_flagged_ones_leave_the_baseline(tmp_path_factory, tiny_model_dir):
+    """mask_truncated_completions=True, completions cut at 6 tokens: TRL zeroes the masks of the rollouts that never
+    reach EOS (about half), yet their rewards set their groups' baselines. The guard judges them on their engine
+    logprobs and its own trainer logprobs (TRL's were computed under a zero mask), quarantines the corrupted ones
+    (baseline without them: the hand-computed reference) and keeps the clean ones; the loss normaliser still counts
+    loss tokens only."""
+    from rollout_guard.statistics import COLUMN
+
+    result, log = run_scenario("truncated", tmp_path_factory, tiny_model_dir)
+    assert check_quarantine_batches(result) >= 3  # quarantined == injected, reference advantages, loss-token count
+    injected_truncated = clean_truncated = 0
+    for raw, guarded, injected, report, evidence in zip(result["raw"], result["guarded"], result["injected"],
+                                                        result["reports"], result["evidence"], strict=True):
+        truncated = raw["completion_mask"].sum(dim=1) == 0  # TRL masked them out
+        injected_truncated += int((truncated & injected).sum())
+        clean_truncated += int((truncated & ~injected).sum())
+        # judged: every completion token of a truncated row (6 here) is in the judged mask, none in the loss mask
+        assert (report["samples"][truncated, COLUMN["tokens"]] == 6).all()
+        assert (evidence["mask"][truncated].sum(dim=1) == 6).all() and not guarded["completion_mask"][truncated].any()
+        # TRL's logprobs of those rows are not theirs (1.16: exactly 0.0); the guard's pass matches the engine's on a
+        # clean truncated row as closely as TRL's own logprobs do on a clean complete one
+        clean = truncated & ~injected
+        assert not torch.equal(raw["old_per_token_logps"][truncated], evidence["trainer"][truncated])
+        delta = ((evidence["trainer"] - evidence["engine"]).abs() * evidence["mask"])[clean]
+        assert delta.max() < 1e-3
+        # the loss normaliser: TRL's count minus the loss tokens of quarantined complete rows only
+        quarantined = report["quarantined"]
+        kept_loss_tokens = int(raw["completion_mask"][~quarantined].sum())
+        assert int(guarded["num_items_in_batch"]) == kept_loss_tokens
+    assert injected_truncated >= 2 and clean_truncated >= 4, (injected_truncated, clean_truncated)
+    passes = [p for p in result["truncated_passes"] if p]
+    assert passes and all(p["rows"] <= 16 for p in passes)
+
+
 def test_without_vllm_the_guard_checks_confidence_only(tmp_path_factory, tiny_model_dir):
     result, log = run_scenario("no_vllm", tmp_path_factory, tiny_model_dir)
     assert all("sampling_per_token_logps" not in raw for raw in result["raw"])
