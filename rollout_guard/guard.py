@@ -127,6 +127,7 @@ class RolloutGuard:
         self.alerts = AlertMonitor(self.config)
         self.calibration = Calibration(self.config)
         self.last_guard_seconds = 0.0
+        self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
                 check_failed: torch.Tensor | bool = False) -> StepReport:
@@ -349,4 +350,6 @@ class RolloutGuard:
                            false_alarms=totals.false_alarms)
         if totals.stopped:
             summary["stopped"] = totals.stopped
+        if self.checks is not None:
+            summary["checks"] = self.checks
         return summary

@@ -29,6 +29,13 @@ SCENARIOS = {
     "monitor": dict(mode="monitor", rate=0.9, lr=5e-4, config={}, guard={"max_quarantine_share": 0.5}),
     "no_is_correction": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"vllm_importance_sampling_correction": False}),
     "no_vllm": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False}),
+    # the modes that check non-finite values only: NaN/+inf written into the one logprob tensor there is (rows 1, 6)
+    # trainer-only: use_vllm=False with a generation serving 2 steps, so that TRL computes old logprobs itself
+    "no_vllm_nan": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False, "steps_per_generation": 2},
+                        nan="old_per_token_logps"),
+    # engine-only: no importance-sampling correction and GuardConfig(compute_trainer_logprobs=False)
+    "engine_only": dict(mode="quarantine", rate=None, lr=5e-4, config={"vllm_importance_sampling_correction": False},
+                        guard={"compute_trainer_logprobs": False}, nan="sampling_per_token_logps"),
     "no_weight_sync": dict(mode="monitor", rate=None, lr=2e-2, config={}),
     "server": dict(mode="quarantine", rate=0.3, lr=0.0, config={"vllm_mode": "server"}),
     # TRL's default layout: a generation batch is a single group, so a foreign context must come from another step
@@ -136,6 +143,36 @@ def loss_invariance(trainer, raw: dict, guarded: dict) -> dict:
     return {"quarantined_rows": int(quarantined.sum()), "losses": results}
 
 
+def count_no_grad_forwards(trainer) -> list:
+    """Count the trainer's no-grad scoring passes (TRL's old/reference logprobs, the guard's extra pass): one entry
+    of rows per call."""
+    import torch
+
+    original, calls = trainer._get_per_token_logps_and_entropies, []
+
+    def counting(model, input_ids, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            calls.append(int(input_ids.shape[0]))
+        return original(model, input_ids, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counting
+    return calls
+
+
+def write_nonfinite(trainer, key: str) -> None:
+    """Inside the guard (wrapped before it): NaN and +inf into ``batch[key]`` at the first token of rows 1 and 6."""
+    original = trainer._generate_and_score_completions
+
+    def corrupting(inputs):
+        batch = original(inputs)
+        if trainer.model.training:
+            batch[key][1, 0] = float("nan")
+            batch[key][6, 0] = float("inf")
+        return batch
+
+    trainer._generate_and_score_completions = corrupting
+
+
 def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = None, resume_from: str | None = None) -> None:
     import torch
     from datasets import Dataset
@@ -176,6 +213,9 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         return [copy_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
 
     trainer = GRPOTrainer(model=model, reward_funcs=copy_accuracy, args=GRPOConfig(**settings), train_dataset=dataset)
+    no_grad_forwards = count_no_grad_forwards(trainer)
+    if spec.get("nan"):
+        write_nonfinite(trainer, spec["nan"])
     guard_settings = {"max_quarantine_share": 0.95, **spec.get("guard", {})}
     guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings), keep_steps=True)
     if spec["rate"] is not None:
@@ -221,7 +261,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         invariance = loss_invariance(trainer, raw[step], guarded_batches[step])
     torch.save(
         {
-            "loss_invariance": invariance, "truncated_passes": truncated_passes,
+            "loss_invariance": invariance, "truncated_passes": truncated_passes, "no_grad_forwards": no_grad_forwards,
             "evidence": [step.evidence for step in kept],
             "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": [step.rewards_per_func for step in kept],
             "injected": [step.injected for step in kept],

@@ -259,15 +259,52 @@ def test_truncated_rows_are_judged_and_flagged_ones_leave_the_baseline(tmp_path_
     assert passes and all(p["rows"] <= 16 for p in passes)
 
 
-def test_without_vllm_the_guard_checks_confidence_only(tmp_path_factory, tiny_model_dir):
+def test_without_vllm_and_without_trl_logprobs_the_guard_runs_no_forward_pass_and_says_it_checks_nothing(
+        tmp_path_factory, tiny_model_dir):
+    """use_vllm=False, one generation per step: the rollouts come from the trainer's own model and TRL computes no
+    logprobs before the loss. A forward pass would feed only the non-finite rule on the trainer's side, which the
+    loss's own forward pass meets anyway: the guard runs none, says so once, and passes the batches through."""
     result, log = run_scenario("no_vllm", tmp_path_factory, tiny_model_dir)
-    assert all("sampling_per_token_logps" not in raw for raw in result["raw"])
-    assert log.count("use_vllm=False") == 1
-    for report in result["reports"]:
-        metrics = report["metrics"]
-        assert math.isnan(metrics["max_abs_delta"]) and not report["suspect"].any()
-        assert -5.0 < metrics["trainer_mean_logprob"] < 0.0 and metrics["trainer_max_logprob"] <= 0.0
-    assert result["summary"]["rollouts"] == 16 * len(result["reports"])
+    assert result["no_grad_forwards"] == []  # neither TRL nor the guard scored the rollouts before the loss
+    assert log.count("use_vllm=False: the rollouts come from the trainer's own model") == 1
+    assert "NON-FINITE VALUES ONLY" in log and "nothing to check and passes every batch through" in log
+    assert result["reports"] == [] and result["global_step"] == 4
+    assert result["summary"]["checks"] == "nothing (no logprobs; batches pass through)"
+    assert "checks: nothing (no logprobs; batches pass through)" in log  # the end-of-training summary
+
+
+@pytest.mark.parametrize("scenario, key, rule", [
+    ("no_vllm_nan", "old_per_token_logps", "nonfinite_trainer"),
+    ("engine_only", "sampling_per_token_logps", "nonfinite_engine"),
+])
+def test_single_sided_modes_catch_nan_without_an_extra_forward_pass(tmp_path_factory, tiny_model_dir, scenario, key, rule):
+    """Trainer-only (use_vllm=False, TRL's own old logprobs) and engine-only (no IS correction,
+    compute_trainer_logprobs=False): NaN and +inf are caught (rows 1 and 6, nothing else), no forward pass is added
+    to TRL's own, and the attach line and the summary say these modes check non-finite values only."""
+    from rollout_guard.verdict import RULE_BIT
+
+    result, log = run_scenario(scenario, tmp_path_factory, tiny_model_dir)
+    reports = result["reports"]
+    assert reports and result["global_step"] == 4
+    generations = len(reports)
+    for raw, guarded, report in zip(result["raw"], result["guarded"], reports, strict=True):
+        assert not raw[key][[1, 6], 0].isfinite().any()
+        written = torch.zeros_like(report["quarantined"])
+        written[[1, 6]] = True
+        assert torch.equal(report["quarantined"], written)
+        assert (report["reasons"][written] & RULE_BIT[rule]).all()
+        assert guarded[key].isfinite().all() and not guarded["completion_mask"][written].any()
+    if scenario == "no_vllm_nan":  # TRL's one pass per generation for its old logprobs; the guard adds none
+        assert "sampling_per_token_logps" not in result["raw"][0]
+        assert result["no_grad_forwards"] == [32] * generations  # one call over the 32-row generation batch
+        assert log.count("NON-FINITE VALUES ONLY") == 1
+    else:  # no pass at all before the loss
+        assert "old_per_token_logps" not in result["raw"][0]
+        assert result["no_grad_forwards"] == []
+        assert log.count("NON-FINITE engine logprobs ONLY") == 1
+    assert "extra no-grad forward pass" not in log
+    assert result["summary"]["checks"] == "non-finite values only"
+    assert "checks: non-finite values only" in log
 
 
 def test_without_weight_sync_the_engine_drifts(tmp_path_factory, tiny_model_dir):
