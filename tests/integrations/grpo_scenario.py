@@ -45,6 +45,11 @@ SCENARIOS = {
     # mask_truncated_completions with completions cut at 6 tokens: the copies of 6–8 letters (about half) never reach
     # EOS, so TRL masks them out; the guard must still judge them (and take flagged ones out of the baseline)
     "truncated": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"mask_truncated_completions": True, "max_completion_length": 6}),
+    # the engine-level fault of vLLM PR #32118 (stale Mamba state read by a new 1-token request) in TRL's colocate
+    # engine, tiny Mamba2 model (engine bf16, trainer fp32); learning rate 0, so that the re-scoring with the
+    # initial weights is the ground truth of every step. The control: the same engine settings, no fault.
+    "stale_state": dict(mode="quarantine", rate=None, lr=0.0, config={}),
+    "stale_state_control": dict(mode="quarantine", rate=None, lr=0.0, config={}),
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
     # spike_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
     # scenario checks that both alert kinds reach the trackers
@@ -143,6 +148,28 @@ def loss_invariance(trainer, raw: dict, guarded: dict) -> dict:
     return {"quarantined_rows": int(quarantined.sum()), "losses": results}
 
 
+def rescored_max_delta(model: str, batches: list) -> list:
+    """Ground truth independent of the guard: each rollout re-scored with transformers (float32, the initial
+    weights: learning rate 0) one sample at a time; per step, (B,) max over its tokens of |engine − re-scored|."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_guard.integrations.rescoring import rescore_per_sample
+
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = []
+    for batch in batches:
+        prompt_mask, mask = batch["prompt_mask"].bool(), batch["completion_mask"].bool()
+        prompts = [ids[m].tolist() for ids, m in zip(batch["prompt_ids"], prompt_mask, strict=True)]
+        completions = [ids[m].tolist() for ids, m in zip(batch["completion_ids"], mask, strict=True)]
+        rescored = rescore_per_sample(reference, prompts, completions)
+        out.append(torch.tensor([
+            max((abs(a - b) for a, b in zip(engine[m].tolist(), values, strict=True)), default=0.0)
+            for engine, m, values in zip(batch["sampling_per_token_logps"], mask, rescored, strict=True)
+        ]))
+    return out
+
+
 def count_no_grad_forwards(trainer) -> list:
     """Count the trainer's no-grad scoring passes (TRL's old/reference logprobs, the guard's extra pass): one entry
     of rows per call."""
@@ -198,6 +225,12 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         server = start_server(model, port, out / "server.log")
         settings["vllm_server_base_url"] = f"http://127.0.0.1:{port}"
         bypass_server_weight_sync()
+    elif name.startswith("stale_state"):
+        from rollout_guard.integrations.testing_faults import enable_stale_mamba_state_fault_in_trl, stress_trl_colocate_engine
+
+        enable_trl_colocate_on_vllm_cpu(dtype="bfloat16")  # vLLM CPU runs Mamba2 in bf16 only
+        stress = enable_stale_mamba_state_fault_in_trl if name == "stale_state" else stress_trl_colocate_engine
+        stress(max_num_seqs=8, num_state_slots=12)
     else:
         enable_trl_colocate_on_vllm_cpu()
     if name == "no_weight_sync":
@@ -259,8 +292,15 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         ]
         step = usable[0]
         invariance = loss_invariance(trainer, raw[step], guarded_batches[step])
+    rescored = rescored_max_delta(model, raw) if name.startswith("stale_state") else None
+    fault = None
+    if name.startswith("stale_state"):
+        from rollout_guard.integrations.testing_faults import FAULT_STATS
+
+        fault = dict(FAULT_STATS)
     torch.save(
         {
+            "rescored_max_delta": rescored, "fault_stats": fault,
             "loss_invariance": invariance, "truncated_passes": truncated_passes, "no_grad_forwards": no_grad_forwards,
             "evidence": [step.evidence for step in kept],
             "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": [step.rewards_per_func for step in kept],

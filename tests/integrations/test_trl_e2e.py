@@ -259,6 +259,48 @@ def test_truncated_rows_are_judged_and_flagged_ones_leave_the_baseline(tmp_path_
     assert passes and all(p["rows"] <= 16 for p in passes)
 
 
+CLEAN_NOISE = 0.5  # nats: bf16 engine vs fp32 re-scoring on clean Mamba2 rollouts (≤ 0.14 seen; audit test: ≤ 0.44)
+CORRUPTED = 2.0  # nats: a rollout whose engine logprobs differ from the re-scoring by more is corrupted
+
+
+def stale_state_truth(result: dict) -> list[torch.Tensor]:
+    """Per step, the corrupted rows by the transformers re-scoring (independent of the guard); no rollout may sit
+    between clean noise and corruption, where the truth would be a matter of threshold."""
+    truth = []
+    for rescored in result["rescored_max_delta"]:
+        assert not ((rescored > CLEAN_NOISE) & (rescored <= CORRUPTED)).any(), rescored.tolist()
+        truth.append(rescored > CORRUPTED)
+    return truth
+
+
+def test_stale_state_fault_in_a_grpo_loop_is_quarantined_and_nothing_else(tmp_path_factory, mamba2_dir):
+    """The engine-level fault of vLLM PR #32118 (a new 1-token request reads the Mamba state a finished request left
+    in its recycled slot) inside TRL's colocate engine, a real GRPO loop, the guard attached in quarantine mode.
+    Ground truth: every rollout re-scored with transformers. The guard quarantines exactly the corrupted rollouts,
+    and their groups' advantages are those of the hand-computed reference without them."""
+    result, log = run_scenario("stale_state", tmp_path_factory, mamba2_dir, steps=4)
+    truth = stale_state_truth(result)
+    corrupted = int(sum(t.sum() for t in truth))
+    assert result["fault_stats"]["new_rows_run_as_decode"] > 0 and corrupted >= 3, (result["fault_stats"], corrupted)
+    group = result["num_generations"]
+    for step, (raw, guarded, rewards, report, bad) in enumerate(
+        zip(result["raw"], result["guarded"], result["rewards"], result["reports"], truth, strict=True)
+    ):
+        assert torch.equal(report["quarantined"], bad), f"step {step}: {report['quarantined'].tolist()} vs {bad.tolist()}"
+        assert torch.allclose(guarded["advantages"], reference_advantages(rewards, group, bad), atol=1e-5)
+        assert int(guarded["num_items_in_batch"]) == int(guarded["completion_mask"].sum())
+    assert result["summary"]["quarantined"] == corrupted
+
+
+def test_stale_state_control_without_the_fault_quarantines_nothing(tmp_path_factory, mamba2_dir):
+    """The same engine settings (token budget 8, 12 state slots) without the fault: every rollout agrees with the
+    re-scoring to bf16 noise, and the guard quarantines nothing."""
+    result, log = run_scenario("stale_state_control", tmp_path_factory, mamba2_dir, steps=2)
+    assert result["fault_stats"]["new_rows_run_as_decode"] == 0
+    assert all(bool((rescored <= CLEAN_NOISE).all()) for rescored in result["rescored_max_delta"])
+    assert result["summary"]["rollouts"] == 32 and result["summary"]["suspect"] == 0 and result["summary"]["quarantined"] == 0
+
+
 def test_without_vllm_and_without_trl_logprobs_the_guard_runs_no_forward_pass_and_says_it_checks_nothing(
         tmp_path_factory, tiny_model_dir):
     """use_vllm=False, one generation per step: the rollouts come from the trainer's own model and TRL computes no
