@@ -41,7 +41,7 @@ def worst_step(history: list[dict[str, float]]) -> dict[str, float] | None:
 def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> list[str]:
     """The end-of-training summary, one string per line (``directory``: where the guard's local files are)."""
     totals = guard.totals
-    checks = [f"  checks: {guard.checks}"] if guard.checks not in (None, "all rules") else []
+    checks = [f"  checks: {guard.checks}"] if guard.checks is not None else []
     if not totals.steps:
         return ["rollout_guard: no training step was guarded.", *checks]
     quarantines = guard.config.quarantines

@@ -108,8 +108,8 @@ class TrlGuard:
         # Truncated rows TRL masks out (mask_truncated_completions): judged on their engine logprobs, with correct
         # trainer logprobs from the pass that has them (TRL's are computed under a zero mask: see _collect_evidence).
         self.judges_truncated = bool(getattr(trainer, "mask_truncated_completions", False) and self.has_engine
-                                     and (self.extra_forward or not self.trl_trainer_logprobs or self.config.compute_trainer_logprobs))
-        self.guard.checks = "all rules" if two_sided else (
+                                     and (self.config.compute_trainer_logprobs or not self.trl_trainer_logprobs))
+        self.guard.checks = None if two_sided else (  # the summary names a limited mode only
             "nothing (no logprobs; batches pass through)" if self.nothing_to_check else "non-finite values only")
         self._generated: tuple[list, list | None] | None = None  # this step's completion token lists and tool masks
         self.last_truncated_pass: dict[str, float] | None = None  # rows, tokens, seconds of the latest truncated-row pass
@@ -200,7 +200,8 @@ class TrlGuard:
             return [], [], None
         completion_ids, tool_masks = self._generated
         trainer = self.trainer
-        tokenizer = getattr(trainer, "_tokenizer", None) or getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        tokenizer = getattr(trainer, "_tokenizer", None)
+        tokenizer = tokenizer or getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         eos = getattr(trainer, "eos_token_ids", None)
         eos = [tokenizer.eos_token_id] if eos is None else list(eos)
         rows = truncated_rows(completion_ids, {*eos, tokenizer.pad_token_id})

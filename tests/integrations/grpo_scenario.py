@@ -44,7 +44,8 @@ SCENARIOS = {
     "topk_high_entropy": dict(mode="quarantine", rate=None, lr=5e-4, config={"top_k": 5}, guard={"max_quarantine_share": 0.5}),
     # mask_truncated_completions with completions cut at 6 tokens: the copies of 6–8 letters (about half) never reach
     # EOS, so TRL masks them out; the guard must still judge them (and take flagged ones out of the baseline)
-    "truncated": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"mask_truncated_completions": True, "max_completion_length": 6}),
+    "truncated": dict(mode="quarantine", rate=0.3, lr=5e-4,
+                      config={"mask_truncated_completions": True, "max_completion_length": 6}),
     # the engine-level fault of vLLM PR #32118 (stale Mamba state read by a new 1-token request) in TRL's colocate
     # engine, tiny Mamba2 model (engine bf16, trainer fp32); learning rate 0, so that the re-scoring with the
     # initial weights is the ground truth of every step. The control: the same engine settings, no fault.
