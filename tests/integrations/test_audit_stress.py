@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, random_letters
+from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, random_letters
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.store import read_records
 
