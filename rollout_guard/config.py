@@ -123,9 +123,13 @@ class GuardConfig:
     ``benchmarks/statistics_speed.py``)."""
 
     compute_trainer_logprobs: bool = True
-    """When the trainer did not compute its own logprobs of the sampled tokens (TRL with
-    ``vllm_importance_sampling_correction=False``), run one extra no-grad forward pass to get them. Costs one
-    forward pass over the generation batch per generation step. ``False``: confidence-only checks. Default True."""
+    """When there are engine logprobs but the trainer did not compute its own logprobs of the sampled tokens (TRL
+    with ``vllm_importance_sampling_correction=False``), run one extra no-grad forward pass to get them (one forward
+    pass over the generation batch per generation step); with ``mask_truncated_completions``, also the pass over
+    the truncated rows whose trainer logprobs TRL computed under a zero mask (those rows only). ``False``: no extra
+    pass; without trainer logprobs the guard then checks non-finite engine logprobs only. Never used without an
+    engine (``use_vllm=False``, no ``rollout_func``): rollouts from the trainer's own model have nothing to
+    disagree with, so no pass is run there. Default True (the mismatch rules need both sides)."""
 
     output_dir: str | None = None
     """Folder for the guard's local files (metrics, quarantine store, charts). ``None``: the trainer's

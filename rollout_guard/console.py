@@ -41,14 +41,16 @@ def worst_step(history: list[dict[str, float]]) -> dict[str, float] | None:
 def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> list[str]:
     """The end-of-training summary, one string per line (``directory``: where the guard's local files are)."""
     totals = guard.totals
+    checks = [f"  checks: {guard.checks}"] if guard.checks is not None else []
     if not totals.steps:
-        return ["rollout_guard: no training step was guarded."]
+        return ["rollout_guard: no training step was guarded.", *checks]
     quarantines = guard.config.quarantines
     count = totals.quarantined if quarantines else totals.suspect
     verb = "quarantined (kept out of the loss)" if quarantines else "suspect (monitor mode: all kept in the loss)"
     steps = f"{totals.steps} step" + ("s" if totals.steps != 1 else "")
     lines = [f"rollout_guard: {steps}, {totals.rollouts} rollouts judged; {count} {verb}, "
              f"{count / max(totals.rollouts, 1):.2%}."]
+    lines.extend(checks)
     fired = sorted(((n, c) for n, c in totals.rule_counts.items() if c), key=lambda item: -item[1])
     lines.append("  rules fired: " + (", ".join(f"{name} {n}" for name, n in fired) if fired else "none"))
     worst = worst_step(totals.history)

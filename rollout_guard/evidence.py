@@ -3,7 +3,8 @@
 Three B×T tensors, aligned token by token over the completions: the engine's logprob of each sampled token
 (what the inference engine believed when it sampled), the trainer's logprob of the same token given the same
 prompt, and the mask of tokens that count (the loss mask). Either logprob tensor may be missing: without engine
-logprobs the guard can only check the trainer's side; without trainer logprobs it checks confidence only.
+logprobs, or without trainer logprobs, the guard can only check the one side for non-finite values (every other
+rule compares the two).
 
 Data problems (NaN, ±inf, empty rows) are not errors here: they are evidence, judged by the verdict rules.
 Structural problems (wrong shape, dtype, device) raise :class:`GuardInputError` naming the field.

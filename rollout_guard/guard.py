@@ -121,6 +121,7 @@ class RolloutGuard:
         self.calibration = Calibration(self.config)
         self.last_guard_seconds = 0.0
         self._kernel_parameters: tuple | None = None  # (thresholds, their kernel table on the device)
+        self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
                 check_failed: torch.Tensor | bool = False) -> StepReport:
@@ -313,4 +314,6 @@ class RolloutGuard:
                            false_alarms=totals.false_alarms)
         if totals.stopped:
             summary["stopped"] = totals.stopped
+        if self.checks is not None:
+            summary["checks"] = self.checks
         return summary

@@ -22,3 +22,18 @@ def tiny_model_dir() -> Path:
     from rollout_guard.integrations.tiny_model import build_tiny_model
 
     return build_tiny_model(CACHE / "models")
+
+
+@pytest.fixture(scope="session")
+def mamba2_dir(tiny_model_dir) -> Path:
+    """The tiny Mamba2 copy model (MAMBA2_RECIPE), for the engine-level stale-state fault."""
+    import torch
+
+    from rollout_guard.integrations.tiny_model import MAMBA2_RECIPE, build_tiny_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # transformers' reference Mamba2 scan is made of small ops: one thread is faster
+    try:
+        return build_tiny_model(tiny_model_dir.parent, MAMBA2_RECIPE)  # the tests' model cache
+    finally:
+        torch.set_num_threads(threads)

@@ -20,7 +20,15 @@ one callback:
 
 Trainer logprobs: TRL computes them whenever vLLM importance-sampling correction is on (its default), and the
 guard reuses them: no extra forward pass. Otherwise the guard runs one no-grad forward pass over the
-generation batch (``GuardConfig.compute_trainer_logprobs``), or, if that is off, checks confidence only.
+generation batch (``GuardConfig.compute_trainer_logprobs``), or, if that is off, checks non-finite engine logprobs
+only. Without an engine (``use_vllm=False``, no ``rollout_func``) it runs no pass and checks non-finite values of
+the trainer logprobs TRL computes itself, if any.
+
+Truncated rows: with ``mask_truncated_completions`` TRL zeroes their masks before the guard runs, yet their
+rewards set their groups' baselines. The guard judges them (judged mask: their tokens, tool mask kept; the loss
+mask stays TRL's), with trainer logprobs from one no-grad pass over those rows only (TRL's are computed under a
+zero attention mask), and takes flagged ones out of the baseline like any quarantined row. ``_generate`` is
+wrapped to keep the token lists TRL decides truncation from (host data: no device sync).
 
 One concern per module:
 

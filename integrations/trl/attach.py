@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import contextlib
 import logging
 import os
 import time
@@ -15,12 +16,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.console import ConsoleSink
-from rollout_guard.errors import CircuitBreakerTripped, GuardConfigError, GuardError
+from rollout_guard.errors import CircuitBreakerTripped, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.integrations.trl import checkpoint as checkpoint_state
 from rollout_guard.integrations.trl.batch import (
-    GroupSettings, check_action_inputs, evidence_of, quarantine_batch, replica_differs, replica_mismatch_message, require,
+    GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs, replica_mismatch_message,
+    require, truncated_judged_mask, truncated_rows,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
 from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
@@ -81,12 +83,6 @@ class TrlGuard:
         warn_if_unsupported()
         self.trainer = trainer
         self.config = config or GuardConfig()
-        has_trainer_logprobs = trainer.use_vllm and trainer.vllm_importance_sampling_correction
-        if not trainer.use_vllm and getattr(trainer, "rollout_func", None) is None and not self.config.compute_trainer_logprobs:
-            raise GuardConfigError(
-                "compute_trainer_logprobs", False,
-                "with use_vllm=False there are no engine logprobs, so the guard needs the trainer's: set it to True",
-            )
         accelerator = trainer.accelerator
         self.guard = RolloutGuard(self.config, gather=accelerator.gather, process_index=accelerator.process_index,
                                   device=accelerator.device)
@@ -118,21 +114,53 @@ class TrlGuard:
         self._said: set[str] = set()
         self._closed = False
 
+        # What this setup lets the guard see (see the messages below): engine logprobs (vLLM or a rollout_func), TRL's
+        # own trainer logprobs, the guard's extra forward pass where it can feed a two-sided rule.
+        self.has_engine = bool(trainer.use_vllm or getattr(trainer, "rollout_func", None) is not None)
+        self.trl_trainer_logprobs = trl_computes_trainer_logprobs(trainer)
+        self.extra_forward = self.has_engine and not self.trl_trainer_logprobs and self.config.compute_trainer_logprobs
+        two_sided = self.has_engine and (self.trl_trainer_logprobs or self.extra_forward)
+        self.nothing_to_check = not self.has_engine and not self.trl_trainer_logprobs
+        # Truncated rows TRL masks out (mask_truncated_completions): judged on their engine logprobs, with correct
+        # trainer logprobs from the pass that has them (TRL's are computed under a zero mask: see _collect_evidence).
+        self.judges_truncated = bool(getattr(trainer, "mask_truncated_completions", False) and self.has_engine
+                                     and (self.config.compute_trainer_logprobs or not self.trl_trainer_logprobs))
+        self.guard.checks = None if two_sided else (  # the summary names a limited mode only
+            "nothing (no logprobs; batches pass through)" if self.nothing_to_check else "non-finite values only")
+        self._generated: tuple[list, list | None] | None = None  # this step's completion token lists and tool masks
+        self.last_truncated_pass: dict[str, float] | None = None  # rows, tokens, seconds of the latest truncated-row pass
+
         self._original_generate_and_score = trainer._generate_and_score_completions
         self._original_calculate_rewards = trainer._calculate_rewards
         self._original_load_optimizer_and_scheduler = trainer._load_optimizer_and_scheduler
         trainer._generate_and_score_completions = self._generate_and_score_completions
         trainer._calculate_rewards = self._calculate_rewards
         trainer._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
+        if self.judges_truncated and hasattr(trainer, "_generate"):
+            self._original_generate = trainer._generate
+            trainer._generate = self._generate
         trainer.add_callback(_GuardCallback(self))
         trainer._rollout_guard = self
-        if not trainer.use_vllm and getattr(trainer, "rollout_func", None) is None:
+        if not self.has_engine:
             self._say_once(
                 "no-engine",
-                "rollout_guard: use_vllm=False, so there are no engine logprobs to compare with: the guard checks "
-                "the trainer's own logprobs only (confidence and non-finite values).",
+                "rollout_guard: use_vllm=False: the rollouts come from the trainer's own model, so there is no engine "
+                "to disagree with and the guard checks NON-FINITE VALUES ONLY, in the trainer logprobs TRL computes "
+                "itself; it runs no extra forward pass. " + (
+                    "TRL computes none in this setup (gradient_accumulation_steps is a multiple of steps_per_generation "
+                    "× num_iterations), so the guard has nothing to check and passes every batch through. "
+                    if self.nothing_to_check else "")
+                + "For the mismatch and confidence checks, sample with vLLM (use_vllm=True) or a rollout_func that "
+                "returns the engine's logprobs.",
             )
-        elif not has_trainer_logprobs and self.config.compute_trainer_logprobs:
+        elif not two_sided:
+            self._say_once(
+                "engine-only",
+                "rollout_guard: no trainer logprobs (TRL computes none with vllm_importance_sampling_correction=False, "
+                "and GuardConfig(compute_trainer_logprobs=False)): the guard checks NON-FINITE engine logprobs ONLY, "
+                "no mismatch or confidence checks.",
+            )
+        elif self.extra_forward:
             self._say_once(
                 "extra-forward",
                 "rollout_guard: TRL does not compute trainer logprobs here (no vLLM importance-sampling correction); "
@@ -150,13 +178,20 @@ class TrlGuard:
         self._rewards_per_func = rewards_per_func
         return rewards_per_func
 
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``_generate``; keeps the host token lists and tool masks TRL builds the batch from (no copy)."""
+        output = self._original_generate(*args, **kwargs)
+        self._generated = (output[1], output[2]) if isinstance(output, tuple) and len(output) > 2 else None
+        return output
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._rewards_per_func = None
         self._engine_step = None
         if self.engine_context is not None:
             self.engine_context.begin_step()
+        self._generated = None
         batch = self._original_generate_and_score(inputs)
-        if not self.trainer.model.training:
+        if not self.trainer.model.training or self.nothing_to_check:
             return batch
         if self.engine_context is not None:
             try:
@@ -183,12 +218,40 @@ class TrlGuard:
         args = self.trainer.args
         return args.per_device_train_batch_size * args.steps_per_generation
 
-    def _collect_evidence(self, batch: dict[str, Any]) -> RolloutEvidence:
+    def _truncated(self) -> tuple[list[int], list[int], list | None]:
+        """This process's rows TRL masked as truncated (host data from ``_generate``): rows, lengths, tool masks."""
+        if not self.judges_truncated or self._generated is None:
+            return [], [], None
+        completion_ids, tool_masks = self._generated
+        trainer = self.trainer
+        tokenizer = getattr(trainer, "_tokenizer", None)
+        tokenizer = tokenizer or getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        eos = getattr(trainer, "eos_token_ids", None)
+        eos = [tokenizer.eos_token_id] if eos is None else list(eos)
+        rows = truncated_rows(completion_ids, {*eos, tokenizer.pad_token_id})
+        return rows, [len(completion_ids[row]) for row in rows], tool_masks
+
+    def _collect_evidence(self, batch: dict[str, Any], truncated: tuple[list[int], list[int], list | None],
+                          forward_rows: int) -> RolloutEvidence:
+        """The evidence: the judged mask (loss mask, plus the truncated rows TRL masked out) and both logprobs.
+
+        TRL scores a truncated row under a zero completion attention mask, and its LM head then leaves every label
+        of the row out (TRL 1.15 on: exactly 0.0 per token; 1.14's full-logits path: logprobs of tokens that could
+        not attend to the completion): not the row's logprobs. They come from a no-grad forward pass over those rows
+        only (``forward_rows`` ≥ their count: every process runs the same number of chunks), or, when the guard runs
+        its pass over the whole batch anyway, from that pass under the rebuilt attention mask."""
+        rows, lengths, tool_masks = truncated
+        loss_mask = loss_mask_of(batch)
+        judged, attention = loss_mask, require(batch, "completion_mask")
+        if rows:
+            judged, attention = truncated_judged_mask(loss_mask, attention, rows, lengths, tool_masks)
         trainer_logprobs = None
-        if batch.get("old_per_token_logps") is None and self.config.compute_trainer_logprobs:
-            trainer_logprobs = self._trainer_logprobs(batch)
+        if self.extra_forward:
+            trainer_logprobs = self._trainer_logprobs(batch, attention)
+        elif self.judges_truncated and self.trl_trainer_logprobs and forward_rows:
+            trainer_logprobs = self._trainer_logprobs(batch, attention, rows, forward_rows)
         injector = getattr(self.trainer, "_rollout_guard_injector", None)
-        return evidence_of(batch, trainer_logprobs, injector.last_selected if injector is not None else None)
+        return evidence_of(batch, trainer_logprobs, injector.last_selected if injector is not None else None, mask=judged)
 
     def guard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Judge TRL's batch and, in quarantine mode, return the batch the loss sees. Symmetric across processes:
@@ -200,8 +263,10 @@ class TrlGuard:
         rewards = self._rewards_per_func
         records: list = []
         replica_failed: torch.Tensor | bool = False
+        truncated = self._truncated()
+        forward_rows = self._forward_rows(len(truncated[0]))
         try:
-            evidence: RolloutEvidence | BaseException = self._collect_evidence(batch)
+            evidence: RolloutEvidence | BaseException = self._collect_evidence(batch, truncated, forward_rows)
             if self.config.quarantines:
                 check_action_inputs(batch, rewards, self.local_rows(), self.settings)
             if rewards is not None:
@@ -221,7 +286,7 @@ class TrlGuard:
                 self._replica_mismatch(report)  # raises on every process in quarantine mode
             if report.any_quarantined:
                 try:
-                    guarded = quarantine_batch(batch, report, rewards, self.settings)
+                    guarded = quarantine_batch(batch, report, rewards, self.settings, self._loss_tokens(batch))
                 except Exception as error:  # checked inputs, identical verdict: no process may go on alone
                     raise GuardError(f"rollout_guard could not quarantine the samples of step {report.step} after "
                                      f"checking its inputs ({type(error).__name__}: {error}); stopping rather than "
@@ -317,16 +382,48 @@ from rollout_guard.integrations.trl.records import build_records, decode_records
         logger.warning("rollout_guard: failed while %s (%s: %s); training goes on. Failures so far: %s",
                        what, type(error).__name__, error, self.guard.totals.failures)
 
-    def _trainer_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+    def _forward_rows(self, local: int) -> int:
+        """Rows of this step's truncated-row pass on every process: the most truncated rows of any process (a
+        sharded model, FSDP or ZeRO-3, needs every process in each forward call). One process: ``local``."""
+        if not (self.judges_truncated and self.trl_trainer_logprobs):
+            return 0
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1:
+            return local
+        return int(accelerator.gather(torch.tensor([local], device=accelerator.device)).max())
+
+    def _loss_tokens(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """Loss tokens of every row of the gathered batch, when the judged mask is not the loss mask (None: it is)."""
+        if not self.judges_truncated:
+            return None
+        tokens = loss_mask_of(batch).sum(dim=1).to(torch.float64 if self.guard.device.type != "mps" else torch.float32)
+        accelerator = self.trainer.accelerator
+        return accelerator.gather(tokens.to(accelerator.device)) if accelerator.num_processes > 1 else tokens
+
+    def _trainer_logprobs(self, batch: dict[str, Any], completion_attention: torch.Tensor, rows: list[int] | None = None,
+                          forward_rows: int = 0) -> torch.Tensor:
+        """The trainer's logprobs of the sampled tokens: one no-grad forward pass over the batch (``rows`` None), or
+        over the truncated ``rows`` only (padded to ``forward_rows`` with repeats), written into TRL's own."""
         trainer = self.trainer
         input_ids = torch.cat([require(batch, "prompt_ids"), require(batch, "completion_ids")], dim=1)
-        attention_mask = torch.cat([require(batch, "prompt_mask"), require(batch, "completion_mask")], dim=1)
-        with torch.no_grad():
+        attention_mask = torch.cat([require(batch, "prompt_mask"), completion_attention], dim=1)
+        width = batch["completion_ids"].size(1)
+        if rows is not None:
+            index = torch.tensor((rows or [0]) * (forward_rows // max(len(rows), 1) + 1), device=input_ids.device)[:forward_rows]
+            input_ids, attention_mask = input_ids[index], attention_mask[index]
+        started = time.perf_counter()
+        with torch.no_grad(), _without_gradient_checkpointing(trainer):
             logprobs, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1),
-                batch_size=trainer.args.per_device_train_batch_size,
+                trainer.model, input_ids, attention_mask, width, batch_size=trainer.args.per_device_train_batch_size,
             )
-        return logprobs
+        if rows is None:
+            return logprobs
+        self.last_truncated_pass = {"rows": float(forward_rows), "tokens": float(attention_mask.sum()),
+                                    "padded_tokens": float(attention_mask.numel()), "seconds": time.perf_counter() - started}
+        merged = require(batch, "old_per_token_logps").clone()
+        if rows:
+            merged[index[: len(rows)]] = logprobs[: len(rows)].to(merged)
+        return merged
 
     # -- checkpoints -----------------------------------------------------------------------------------------
 
@@ -376,6 +473,23 @@ from rollout_guard.integrations.trl.records import build_records, decode_records
         if key not in self._said:
             self._said.add(key)
             logger.warning(message)
+
+
+def trl_computes_trainer_logprobs(trainer: Any) -> bool:
+    """Whether TRL puts ``old_per_token_logps`` in its batch (its own condition in ``_generate_and_score_completions``)."""
+    args = trainer.args
+    generate_every = args.steps_per_generation * getattr(trainer, "num_iterations", 1)
+    return bool(args.gradient_accumulation_steps % generate_every != 0
+                or (trainer.use_vllm and trainer.vllm_importance_sampling_correction))
+
+
+def _without_gradient_checkpointing(trainer: Any) -> Any:
+    """TRL's context for no-grad forward passes (no checkpointing warning); a null context where TRL lacks it."""
+    try:
+        from trl.models.utils import disable_gradient_checkpointing
+    except ImportError:
+        return contextlib.nullcontext()
+    return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
 
 
 class _GuardCallback(TrainerCallback):

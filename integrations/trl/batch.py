@@ -46,11 +46,53 @@ def loss_mask_of(batch: dict[str, Any]) -> torch.Tensor:
     return mask * batch["tool_mask"] if isinstance(batch.get("tool_mask"), torch.Tensor) else mask
 
 
-def evidence_of(batch: dict[str, Any], trainer_logprobs: torch.Tensor | None = None, injected: torch.Tensor | None = None) -> RolloutEvidence:
-    """The guard's evidence in a TRL batch: vLLM's logprobs, TRL's trainer logprobs (or the given ones), loss mask."""
+def truncated_rows(completion_ids: list[list[int]], stop_ids: set[int]) -> list[int]:
+    """Rows TRL masks out under ``mask_truncated_completions``: a completion whose last token is neither an EOS id nor
+    the pad id (TRL's own test, on the token lists its ``_generate`` returns: host data, no device sync).
+
+    >>> truncated_rows([[5, 6, 2], [5, 6, 7], [9]], stop_ids={2, 0})
+    [1, 2]
+    """
+    return [row for row, ids in enumerate(completion_ids) if len(ids) and ids[-1] not in stop_ids]
+
+
+def truncated_judged_mask(loss_mask: torch.Tensor, completion_mask: torch.Tensor, rows: list[int], lengths: list[int],
+                          tool_masks: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The judged mask and the completions' attention mask, (B, T) each, of a batch whose truncated ``rows`` TRL
+    zeroed (its completion mask, hence attention, and its tool mask alike).
+
+    On a truncated row TRL masked out, the judged mask is its first ``lengths[i]`` tokens times its tool mask
+    (``tool_masks[i]``, TRL's before it zeroed the row; ``None``: no tool tokens), and the attention mask its first
+    ``lengths[i]`` tokens (tool output is attended, not scored). Every other row keeps ``loss_mask`` and
+    ``completion_mask``; so does a listed row that TRL did not mask (its loss mask is not all zero).
+
+    >>> judged, attention = truncated_judged_mask(torch.tensor([[1, 1, 0], [0, 0, 0]]), torch.tensor([[1, 1, 0], [0, 0, 0]]),
+    ...                                           [1], [3], [[1, 1, 1], [0, 1, 1]])
+    >>> judged.tolist(), attention.tolist()
+    ([[1, 1, 0], [0, 1, 1]], [[1, 1, 0], [1, 1, 1]])
+    """
+    device, width = loss_mask.device, loss_mask.shape[1]
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    length = (torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1))
+    tools = torch.ones(len(rows), width, dtype=loss_mask.dtype)
+    if tool_masks is not None:
+        for position, row in enumerate(rows):
+            values = torch.tensor(tool_masks[row][:width], dtype=loss_mask.dtype)
+            tools[position, : values.numel()] = values
+    masked_by_trl = (loss_mask[index].sum(dim=1, keepdim=True) == 0) & (completion_mask[index].sum(dim=1, keepdim=True) == 0)
+    judged, attention = loss_mask.clone(), completion_mask.clone()
+    judged[index] = torch.where(masked_by_trl, length.to(loss_mask.dtype) * tools.to(device), loss_mask[index])
+    attention[index] = torch.where(masked_by_trl, length.to(completion_mask.dtype), completion_mask[index])
+    return judged, attention
+
+
+def evidence_of(batch: dict[str, Any], trainer_logprobs: torch.Tensor | None = None, injected: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> RolloutEvidence:
+    """The guard's evidence in a TRL batch: vLLM's logprobs, TRL's trainer logprobs (or the given ones), and the
+    judged mask: the loss mask, or the given ``mask`` (the loss mask plus the truncated rows TRL masked out)."""
     engine = batch.get("sampling_per_token_logps")
     trainer_logprobs = batch.get("old_per_token_logps") if trainer_logprobs is None else trainer_logprobs
-    mask = loss_mask_of(batch)
+    mask = loss_mask_of(batch) if mask is None else mask
     return RolloutEvidence(mask=mask, engine_logprobs=engine, trainer_logprobs=trainer_logprobs,
                            injected=None if injected is None else injected.to(mask.device))
 
@@ -64,7 +106,8 @@ NEUTRAL_FILL = {"old_per_token_logps": 0.0, "sampling_per_token_logps": 0.0, "re
                 "importance_sampling_ratio": 1.0}
 
 
-def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func: torch.Tensor, settings: GroupSettings) -> dict[str, Any]:
+def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func: torch.Tensor, settings: GroupSettings,
+                     loss_tokens: torch.Tensor | None = None) -> dict[str, Any]:
     """A copy of TRL's batch with the report's quarantined samples taken out of the loss.
 
     Zeroes their loss (completion) mask, recomputes the advantages of the whole gathered batch without them and
@@ -72,6 +115,9 @@ def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func
     replaces their old, sampling and reference logprobs and importance-sampling ratio by neutral values
     (:data:`NEUTRAL_FILL`): TRL computes ``logp − old``, the ratio and the KL term before it applies the mask, so
     a NaN or ±inf left in a quarantined row would still reach the loss and the gradient.
+
+    ``loss_tokens``: (N,) loss tokens of every row of the gathered batch, when the judged mask is not the loss mask
+    (truncated rows judged, yet with no loss token); default: the report's ``tokens`` column (judged = loss mask).
     """
     batch = dict(batch)
     mask = require(batch, "completion_mask")
@@ -79,7 +125,8 @@ def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func
     advantages = require(batch, "advantages")
     rows = report.local_quarantined.to(mask.device)
     batch["completion_mask"] = mask_quarantined(mask, rows)
-    batch["num_items_in_batch"] = loss_token_count(report.column("tokens"), report.quarantined).to(
+    tokens = report.column("tokens") if loss_tokens is None else loss_tokens.to(report.samples)
+    batch["num_items_in_batch"] = loss_token_count(tokens, report.quarantined).to(
         device=normaliser.device, dtype=normaliser.dtype
     )
     excluded = report.quarantined.to(rewards_per_func.device)

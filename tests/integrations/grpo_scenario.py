@@ -29,12 +29,28 @@ SCENARIOS = {
     "monitor": dict(mode="monitor", rate=0.9, lr=5e-4, config={}, guard={"max_quarantine_share": 0.5}),
     "no_is_correction": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"vllm_importance_sampling_correction": False}),
     "no_vllm": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False}),
+    # the modes that check non-finite values only: NaN/+inf written into the one logprob tensor there is (rows 1, 6)
+    # trainer-only: use_vllm=False with a generation serving 2 steps, so that TRL computes old logprobs itself
+    "no_vllm_nan": dict(mode="quarantine", rate=None, lr=5e-4, config={"use_vllm": False, "steps_per_generation": 2},
+                        nan="old_per_token_logps"),
+    # engine-only: no importance-sampling correction and GuardConfig(compute_trainer_logprobs=False)
+    "engine_only": dict(mode="quarantine", rate=None, lr=5e-4, config={"vllm_importance_sampling_correction": False},
+                        guard={"compute_trainer_logprobs": False}, nan="sampling_per_token_logps"),
     "no_weight_sync": dict(mode="monitor", rate=None, lr=2e-2, config={}),
     "server": dict(mode="quarantine", rate=0.3, lr=0.0, config={"vllm_mode": "server"}),
     # TRL's default layout: a generation batch is a single group, so a foreign context must come from another step
     # a barely trained (high-entropy) policy sampled with top_k=5: vLLM's processed logprobs sit ~1.5 nats above
     # the trainer's on every token; no corruption at all, the default breaker on
     "topk_high_entropy": dict(mode="quarantine", rate=None, lr=5e-4, config={"top_k": 5}, guard={"max_quarantine_share": 0.5}),
+    # mask_truncated_completions with completions cut at 6 tokens: the copies of 6–8 letters (about half) never reach
+    # EOS, so TRL masks them out; the guard must still judge them (and take flagged ones out of the baseline)
+    "truncated": dict(mode="quarantine", rate=0.3, lr=5e-4,
+                      config={"mask_truncated_completions": True, "max_completion_length": 6}),
+    # the engine-level fault of vLLM PR #32118 (stale Mamba state read by a new 1-token request) in TRL's colocate
+    # engine, tiny Mamba2 model (engine bf16, trainer fp32); learning rate 0, so that the re-scoring with the
+    # initial weights is the ground truth of every step. The control: the same engine settings, no fault.
+    "stale_state": dict(mode="quarantine", rate=None, lr=0.0, config={}),
+    "stale_state_control": dict(mode="quarantine", rate=None, lr=0.0, config={}),
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
     # spike_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
     # scenario checks that both alert kinds reach the trackers
@@ -138,6 +154,58 @@ def loss_invariance(trainer, raw: dict, guarded: dict) -> dict:
     return {"quarantined_rows": int(quarantined.sum()), "losses": results}
 
 
+def rescored_max_delta(model: str, batches: list) -> list:
+    """Ground truth independent of the guard: each rollout re-scored with transformers (float32, the initial
+    weights: learning rate 0) one sample at a time; per step, (B,) max over its tokens of |engine − re-scored|."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_guard.integrations.rescoring import rescore_per_sample
+
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = []
+    for batch in batches:
+        prompt_mask, mask = batch["prompt_mask"].bool(), batch["completion_mask"].bool()
+        prompts = [ids[m].tolist() for ids, m in zip(batch["prompt_ids"], prompt_mask, strict=True)]
+        completions = [ids[m].tolist() for ids, m in zip(batch["completion_ids"], mask, strict=True)]
+        rescored = rescore_per_sample(reference, prompts, completions)
+        out.append(torch.tensor([
+            max((abs(a - b) for a, b in zip(engine[m].tolist(), values, strict=True)), default=0.0)
+            for engine, m, values in zip(batch["sampling_per_token_logps"], mask, rescored, strict=True)
+        ]))
+    return out
+
+
+def count_no_grad_forwards(trainer) -> list:
+    """Count the trainer's no-grad scoring passes (TRL's old/reference logprobs, the guard's extra pass): one entry
+    of rows per call."""
+    import torch
+
+    original, calls = trainer._get_per_token_logps_and_entropies, []
+
+    def counting(model, input_ids, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            calls.append(int(input_ids.shape[0]))
+        return original(model, input_ids, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counting
+    return calls
+
+
+def write_nonfinite(trainer, key: str) -> None:
+    """Inside the guard (wrapped before it): NaN and +inf into ``batch[key]`` at the first token of rows 1 and 6."""
+    original = trainer._generate_and_score_completions
+
+    def corrupting(inputs):
+        batch = original(inputs)
+        if trainer.model.training:
+            batch[key][1, 0] = float("nan")
+            batch[key][6, 0] = float("inf")
+        return batch
+
+    trainer._generate_and_score_completions = corrupting
+
+
 def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = None, resume_from: str | None = None) -> None:
     import torch
     from datasets import Dataset
@@ -163,6 +231,12 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         server = start_server(model, port, out / "server.log")
         settings["vllm_server_base_url"] = f"http://127.0.0.1:{port}"
         bypass_server_weight_sync()
+    elif name.startswith("stale_state"):
+        from rollout_guard.integrations.testing_faults import enable_stale_mamba_state_fault_in_trl, stress_trl_colocate_engine
+
+        enable_trl_colocate_on_vllm_cpu(dtype="bfloat16")  # vLLM CPU runs Mamba2 in bf16 only
+        stress = enable_stale_mamba_state_fault_in_trl if name == "stale_state" else stress_trl_colocate_engine
+        stress(max_num_seqs=8, num_state_slots=12)
     else:
         enable_trl_colocate_on_vllm_cpu()
     if spec.get("engine_stats"):
@@ -187,6 +261,9 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         return [copy_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
 
     trainer = GRPOTrainer(model=model, reward_funcs=copy_accuracy, args=GRPOConfig(**settings), train_dataset=dataset)
+    no_grad_forwards = count_no_grad_forwards(trainer)
+    if spec.get("nan"):
+        write_nonfinite(trainer, spec["nan"])
     guard_settings = {"max_quarantine_share": 0.95, **spec.get("guard", {})}
     guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings), keep_steps=True)
     if spec["rate"] is not None:
@@ -197,6 +274,17 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         from dataclasses import replace
 
         guarded.settings = replace(guarded.settings, scale_rewards="none")
+    truncated_passes: list = []
+    if name == "truncated":  # the cost of the guard's pass over the truncated rows, per generation step
+        guarded_generate = trainer._generate_and_score_completions
+
+        def recording(inputs):
+            guarded.last_truncated_pass = None
+            batch = guarded_generate(inputs)
+            truncated_passes.append(guarded.last_truncated_pass)
+            return batch
+
+        trainer._generate_and_score_completions = recording
     started = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=resume_from)
@@ -221,9 +309,17 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         ]
         step = usable[0]
         invariance = loss_invariance(trainer, raw[step], guarded_batches[step])
+    rescored = rescored_max_delta(model, raw) if name.startswith("stale_state") else None
+    fault = None
+    if name.startswith("stale_state"):
+        from rollout_guard.integrations.testing_faults import FAULT_STATS
+
+        fault = dict(FAULT_STATS)
     torch.save(
         {
-            "loss_invariance": invariance,
+            "rescored_max_delta": rescored, "fault_stats": fault,
+            "loss_invariance": invariance, "truncated_passes": truncated_passes, "no_grad_forwards": no_grad_forwards,
+            "evidence": [step.evidence for step in kept],
             "scenario": name, "raw": raw, "guarded": guarded_batches, "rewards": [step.rewards_per_func for step in kept],
             "injected": [step.injected for step in kept],
             "reports": reports, "log_history": trainer.state.log_history, "summary": guarded.guard.summary(),

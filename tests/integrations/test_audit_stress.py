@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from rollout_guard.integrations.tiny_model import MAMBA2_RECIPE, TinyModelRecipe, build_tiny_model, copy_prompt, random_letters
+from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, random_letters
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.store import read_records
 
@@ -34,16 +33,6 @@ def explain(done: subprocess.CompletedProcess) -> str:
 
 def metrics_of(out: Path) -> dict:
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-
-
-@pytest.fixture(scope="module")
-def mamba2_dir(tiny_model_dir) -> Path:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # transformers' reference Mamba2 scan is made of small ops: one thread is faster
-    try:
-        return build_tiny_model(tiny_model_dir.parent, MAMBA2_RECIPE)  # the tests' model cache
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -225,15 +225,128 @@ def test_without_importance_sampling_the_guard_computes_trainer_logprobs(tmp_pat
     assert log.count("extra no-grad forward pass") == 1
 
 
-def test_without_vllm_the_guard_checks_confidence_only(tmp_path_factory, tiny_model_dir):
+def test_truncated_rows_are_judged_and_flagged_ones_leave_the_baseline(tmp_path_factory, tiny_model_dir):
+    """mask_truncated_completions=True, completions cut at 6 tokens: TRL zeroes the masks of the rollouts that never
+    reach EOS (about half), yet their rewards set their groups' baselines. The guard judges them on their engine
+    logprobs and its own trainer logprobs (TRL's were computed under a zero mask), quarantines the corrupted ones
+    (baseline without them: the hand-computed reference) and keeps the clean ones; the loss normaliser still counts
+    loss tokens only."""
+    from rollout_guard.statistics import COLUMN
+
+    result, log = run_scenario("truncated", tmp_path_factory, tiny_model_dir)
+    assert check_quarantine_batches(result) >= 3  # quarantined == injected, reference advantages, loss-token count
+    injected_truncated = clean_truncated = 0
+    for raw, guarded, injected, report, evidence in zip(result["raw"], result["guarded"], result["injected"],
+                                                        result["reports"], result["evidence"], strict=True):
+        truncated = raw["completion_mask"].sum(dim=1) == 0  # TRL masked them out
+        injected_truncated += int((truncated & injected).sum())
+        clean_truncated += int((truncated & ~injected).sum())
+        # judged: every completion token of a truncated row (6 here) is in the judged mask, none in the loss mask
+        assert (report["samples"][truncated, COLUMN["tokens"]] == 6).all()
+        assert (evidence["mask"][truncated].sum(dim=1) == 6).all() and not guarded["completion_mask"][truncated].any()
+        # TRL's logprobs of those rows are not theirs (1.16: exactly 0.0); the guard's pass matches the engine's on a
+        # clean truncated row as closely as TRL's own logprobs do on a clean complete one
+        clean = truncated & ~injected
+        assert not torch.equal(raw["old_per_token_logps"][truncated], evidence["trainer"][truncated])
+        delta = ((evidence["trainer"] - evidence["engine"]).abs() * evidence["mask"])[clean]
+        assert delta.max() < 1e-3
+        # the loss normaliser: TRL's count minus the loss tokens of quarantined complete rows only
+        quarantined = report["quarantined"]
+        kept_loss_tokens = int(raw["completion_mask"][~quarantined].sum())
+        assert int(guarded["num_items_in_batch"]) == kept_loss_tokens
+    assert injected_truncated >= 2 and clean_truncated >= 4, (injected_truncated, clean_truncated)
+    passes = [p for p in result["truncated_passes"] if p]
+    assert passes and all(p["rows"] <= 16 for p in passes)
+
+
+CLEAN_NOISE = 0.5  # nats: bf16 engine vs fp32 re-scoring on clean Mamba2 rollouts (≤ 0.14 seen; audit test: ≤ 0.44)
+CORRUPTED = 2.0  # nats: a rollout whose engine logprobs differ from the re-scoring by more is corrupted
+
+
+def stale_state_truth(result: dict) -> list[torch.Tensor]:
+    """Per step, the corrupted rows by the transformers re-scoring (independent of the guard); no rollout may sit
+    between clean noise and corruption, where the truth would be a matter of threshold."""
+    truth = []
+    for rescored in result["rescored_max_delta"]:
+        assert not ((rescored > CLEAN_NOISE) & (rescored <= CORRUPTED)).any(), rescored.tolist()
+        truth.append(rescored > CORRUPTED)
+    return truth
+
+
+def test_stale_state_fault_in_a_grpo_loop_is_quarantined_and_nothing_else(tmp_path_factory, mamba2_dir):
+    """The engine-level fault of vLLM PR #32118 (a new 1-token request reads the Mamba state a finished request left
+    in its recycled slot) inside TRL's colocate engine, a real GRPO loop, the guard attached in quarantine mode.
+    Ground truth: every rollout re-scored with transformers. The guard quarantines exactly the corrupted rollouts,
+    and their groups' advantages are those of the hand-computed reference without them."""
+    result, log = run_scenario("stale_state", tmp_path_factory, mamba2_dir, steps=4)
+    truth = stale_state_truth(result)
+    corrupted = int(sum(t.sum() for t in truth))
+    assert result["fault_stats"]["new_rows_run_as_decode"] > 0 and corrupted >= 3, (result["fault_stats"], corrupted)
+    group = result["num_generations"]
+    for step, (raw, guarded, rewards, report, bad) in enumerate(
+        zip(result["raw"], result["guarded"], result["rewards"], result["reports"], truth, strict=True)
+    ):
+        assert torch.equal(report["quarantined"], bad), f"step {step}: {report['quarantined'].tolist()} vs {bad.tolist()}"
+        assert torch.allclose(guarded["advantages"], reference_advantages(rewards, group, bad), atol=1e-5)
+        assert int(guarded["num_items_in_batch"]) == int(guarded["completion_mask"].sum())
+    assert result["summary"]["quarantined"] == corrupted
+
+
+def test_stale_state_control_without_the_fault_quarantines_nothing(tmp_path_factory, mamba2_dir):
+    """The same engine settings (token budget 8, 12 state slots) without the fault: every rollout agrees with the
+    re-scoring to bf16 noise, and the guard quarantines nothing."""
+    result, log = run_scenario("stale_state_control", tmp_path_factory, mamba2_dir, steps=2)
+    assert result["fault_stats"]["new_rows_run_as_decode"] == 0
+    assert all(bool((rescored <= CLEAN_NOISE).all()) for rescored in result["rescored_max_delta"])
+    assert result["summary"]["rollouts"] == 32 and result["summary"]["suspect"] == 0 and result["summary"]["quarantined"] == 0
+
+
+def test_without_vllm_and_without_trl_logprobs_the_guard_runs_no_forward_pass_and_says_it_checks_nothing(
+        tmp_path_factory, tiny_model_dir):
+    """use_vllm=False, one generation per step: the rollouts come from the trainer's own model and TRL computes no
+    logprobs before the loss. A forward pass would feed only the non-finite rule on the trainer's side, which the
+    loss's own forward pass meets anyway: the guard runs none, says so once, and passes the batches through."""
     result, log = run_scenario("no_vllm", tmp_path_factory, tiny_model_dir)
-    assert all("sampling_per_token_logps" not in raw for raw in result["raw"])
-    assert log.count("use_vllm=False") == 1
-    for report in result["reports"]:
-        metrics = report["metrics"]
-        assert math.isnan(metrics["max_abs_delta"]) and not report["suspect"].any()
-        assert -5.0 < metrics["trainer_mean_logprob"] < 0.0 and metrics["trainer_max_logprob"] <= 0.0
-    assert result["summary"]["rollouts"] == 16 * len(result["reports"])
+    assert result["no_grad_forwards"] == []  # neither TRL nor the guard scored the rollouts before the loss
+    assert log.count("use_vllm=False: the rollouts come from the trainer's own model") == 1
+    assert "NON-FINITE VALUES ONLY" in log and "nothing to check and passes every batch through" in log
+    assert result["reports"] == [] and result["global_step"] == 4
+    assert result["summary"]["checks"] == "nothing (no logprobs; batches pass through)"
+    assert "checks: nothing (no logprobs; batches pass through)" in log  # the end-of-training summary
+
+
+@pytest.mark.parametrize("scenario, key, rule", [
+    ("no_vllm_nan", "old_per_token_logps", "nonfinite_trainer"),
+    ("engine_only", "sampling_per_token_logps", "nonfinite_engine"),
+])
+def test_single_sided_modes_catch_nan_without_an_extra_forward_pass(tmp_path_factory, tiny_model_dir, scenario, key, rule):
+    """Trainer-only (use_vllm=False, TRL's own old logprobs) and engine-only (no IS correction,
+    compute_trainer_logprobs=False): NaN and +inf are caught (rows 1 and 6, nothing else), no forward pass is added
+    to TRL's own, and the attach line and the summary say these modes check non-finite values only."""
+    from rollout_guard.verdict import RULE_BIT
+
+    result, log = run_scenario(scenario, tmp_path_factory, tiny_model_dir)
+    reports = result["reports"]
+    assert reports and result["global_step"] == 4
+    generations = len(reports)
+    for raw, guarded, report in zip(result["raw"], result["guarded"], reports, strict=True):
+        assert not raw[key][[1, 6], 0].isfinite().any()
+        written = torch.zeros_like(report["quarantined"])
+        written[[1, 6]] = True
+        assert torch.equal(report["quarantined"], written)
+        assert (report["reasons"][written] & RULE_BIT[rule]).all()
+        assert guarded[key].isfinite().all() and not guarded["completion_mask"][written].any()
+    if scenario == "no_vllm_nan":  # TRL's one pass per generation for its old logprobs; the guard adds none
+        assert "sampling_per_token_logps" not in result["raw"][0]
+        assert result["no_grad_forwards"] == [32] * generations  # one call over the 32-row generation batch
+        assert log.count("NON-FINITE VALUES ONLY") == 1
+    else:  # no pass at all before the loss
+        assert "old_per_token_logps" not in result["raw"][0]
+        assert result["no_grad_forwards"] == []
+        assert log.count("NON-FINITE engine logprobs ONLY") == 1
+    assert "extra no-grad forward pass" not in log
+    assert result["summary"]["checks"] == "non-finite values only"
+    assert "checks: non-finite values only" in log
 
 
 def test_without_weight_sync_the_engine_drifts(tmp_path_factory, tiny_model_dir):

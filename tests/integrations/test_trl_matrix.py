@@ -88,18 +88,19 @@ def test_the_replica_reproduces_trl_in_every_advantage_setting(matrix):
 
 
 def test_quarantine_with_tool_masks_truncation_and_none_rewards(matrix):
-    quarantined_total = 0
+    quarantined_total = truncated_quarantined = 0
     for step, (raw, guarded, injected, report) in enumerate(
         zip(matrix["raw"], matrix["guarded"], matrix["injected"], matrix["reports"], strict=True)
     ):
         quarantined = report["quarantined"]
-        judged = loss_mask(raw).sum(1) > 0  # a truncated rollout has no loss token left to judge
-        assert torch.equal(quarantined, injected & judged), step
+        # truncated rollouts (TRL zeroed their masks) are judged too, tool tokens left out: all injected ones caught
+        assert torch.equal(quarantined, injected), step
+        truncated_quarantined += int((quarantined & (raw["completion_mask"].sum(1) == 0)).sum())
         quarantined_total += int(quarantined.sum())
         assert not guarded["completion_mask"][quarantined].any()
         assert torch.allclose(guarded["advantages"], replica(matrix, step, excluded=quarantined), atol=1e-6)
         assert int(guarded["num_items_in_batch"]) == int(loss_mask(guarded).sum())
-    assert quarantined_total >= 4
+    assert quarantined_total >= 4 and truncated_quarantined >= 1, (quarantined_total, truncated_quarantined)
 
 
 def test_records_store_none_rewards_and_locate_the_first_divergent_token_despite_tool_masks(matrix):
