@@ -343,8 +343,42 @@ class TrlGuard:
         except Exception as error:
             self._failure("writing evidence records", error)
             records = []
-from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
-from rollout_guard.integrations.trl.records import build_records, decode_records
+        add_context_to_records(records, self._engine_step)
+        # every process calls this on the same steps (metrics are identical on all ranks)
+        return self._gather_to_main(records)
+
+    def _gather_to_main(self, records: list) -> list:
+        """The records of all processes, in rank order, on the main process only (one ``gather_object`` to rank 0,
+        not to every rank); a single process makes no collective call."""
+        world = self.trainer.accelerator.num_processes
+        if world == 1:
+            return records
+        import torch.distributed as dist
+
+        parts: list | None = [None] * world if self.is_main_process else None
+        dist.gather_object(records, parts, dst=0)
+        return [record for part in parts for record in part] if parts is not None else []
+
+    def _decode(self, records: list) -> None:
+        """Decode the records' tokens (main process), on the background writer before the sinks see them. The
+        writer decodes with its own copy of the tokenizer: a fast tokenizer is not safe to use from two threads
+        while the trainer pads a batch with it ("Already borrowed")."""
+        if not self.is_main_process or not self.sinks:
+            return
+        if self._writer_tokenizer is None:
+            tokenizer = self.trainer.processing_class
+            try:
+                self._writer_tokenizer = copy.deepcopy(tokenizer) if self.writer is not None else tokenizer
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is used here, on this thread
+                self._writer_tokenizer = tokenizer
+        tokenizer = self._writer_tokenizer
+        if self.writer is not None and tokenizer is not self.trainer.processing_class:
+            self.writer.submit("decoding evidence tokens", decode_records, records, tokenizer)
+            return
+        try:
+            decode_records(records, tokenizer)
+        except Exception as error:
+            self._failure("decoding evidence tokens", error)
 
     def _to_sinks(self, event: str, *payload: Any) -> None:
         """Hand each sink's ``event`` to the background writer (main process only); without a writer (closed, or
