@@ -108,6 +108,20 @@ def time_it(fn, device: torch.device, repeats: int, warmup: int = 5) -> float:
     return statistics.median(samples)
 
 
+def host_syncs(fn) -> int:
+    """Synchronizing CUDA operations in one call of ``fn`` (``torch.cuda.set_sync_debug_mode``)."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
 def warm_guard(config: GuardConfig, evidence: RolloutEvidence, device: torch.device, steps: int) -> RolloutGuard:
     guard = RolloutGuard(config, device=device)
     for step in range(1, steps + 1):
@@ -199,6 +213,9 @@ def main() -> None:
                 for block, warps in ((256, 2), (256, 4), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))}
             fused_seconds = time_it(lambda: guard.inspect(evidence, step=next(step)), device, args.repeats)
             row["guard_fused_ms"] = fused_seconds * 1e3
+            row["host_syncs_per_step"] = {"guard_fused": host_syncs(lambda: guard.inspect(evidence, step=next(step))),
+                                          "guard_reference": host_syncs(lambda: reference_guard.inspect(evidence, step=next(step))),
+                                          "trl_ops": host_syncs(lambda: trl_metric_ops(evidence.trainer_logprobs, evidence.engine_logprobs, evidence.mask))}
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
             guard.inspect(evidence, step=next(step))
@@ -224,6 +241,9 @@ def main() -> None:
               f"{row['reference_over_trl']:>8.2f} {row.get('kernel_ms', math.nan):>10.3f} "
               f"{fused if fused is not None else math.nan:>15.3f} {row.get('fused_over_trl', math.nan):>10.2f} "
               f"{row.get('guard_extra_mib', math.nan):>10.2f} {row['input_mib']:>10.1f} {ok:>6}")
+    for row in rows_out:
+        if "host_syncs_per_step" in row:
+            print(f"host syncs per step at {row['rows']}×{row['tokens_per_row']}: {row['host_syncs_per_step']}")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"device": name, "torch": torch.__version__, "repeats": args.repeats, "rows": rows_out}, handle, indent=2)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from rollout_guard.config import GuardConfig
-from rollout_guard.statistics import CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, Thresholds
+from rollout_guard.statistics import CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, Thresholds, to_device
 
 
 def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> float:
@@ -114,7 +114,7 @@ class Calibration:
         """The thresholds the next step uses, as (K,) float32 tensors on ``device`` (kept until the next update)."""
         key = str(device)
         if key not in self._thresholds:
-            self._thresholds[key] = Thresholds(*(torch.tensor(values, dtype=torch.float64).float().to(device)
+            self._thresholds[key] = Thresholds(*(to_device(torch.tensor(values, dtype=torch.float64).float(), device)
                                                  for values in self.threshold_values()))
         return self._thresholds[key]
 

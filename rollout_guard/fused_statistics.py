@@ -25,7 +25,7 @@ from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.packet import AGGREGATES, MAX_AGGREGATES, PacketLayout, packet_dtype
 from rollout_guard.statistics import (
     _K3_LOG_RATIO_CAP, CALIBRATION_WIDTH, DELTA_BIN_EDGES, ENGINE_BUCKET_EDGES, EXCESS_CLIP, EXCESS_EDGES,
-    NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, Thresholds,
+    NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, Thresholds, to_device,
 )
 from rollout_guard.verdict import RULES
 
@@ -83,7 +83,7 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
                _threshold(config.drift_threshold)]
     assert len(values) == 28
-    return torch.tensor(values + _EDGE_VALUES, dtype=torch.float32, device=device)
+    return to_device(torch.tensor(values + _EDGE_VALUES, dtype=torch.float32), device)
 
 
 _EDGE_VALUES = DELTA_BIN_EDGES.float().tolist() + torch.tensor(EXCESS_EDGES, dtype=torch.float32).tolist()

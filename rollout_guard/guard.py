@@ -148,8 +148,10 @@ class RolloutGuard:
                 raise error
             status = STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE
             packet, batch = empty_packet(batch_size, status, self.device), batch_size
-        if not (check_failed is False):
-            packet[1:2] = torch.as_tensor(check_failed).to(device=packet.device, dtype=packet.dtype).reshape(1)
+        if isinstance(check_failed, torch.Tensor):  # a device flag: copied on the device, no host sync
+            packet[1:2] = check_failed.to(device=packet.device, dtype=packet.dtype).reshape(1)
+        elif check_failed:
+            packet[1:2] = 1.0
         gathered = self.gather(packet.to(self.device)).view(-1, packet.numel())  # the one collective
         try:
             return self._judge(step, batch, gathered, error, started)

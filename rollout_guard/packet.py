@@ -53,6 +53,7 @@ AGGREGATES = (
 )
 AGGREGATE = {name: index for index, (name, _) in enumerate(AGGREGATES)}
 MAX_AGGREGATES = tuple(index for index, (_, how) in enumerate(AGGREGATES) if how == "max")
+assert MAX_AGGREGATES == tuple(range(MAX_AGGREGATES[0], MAX_AGGREGATES[-1] + 1))
 
 
 class PacketLayout(NamedTuple):
@@ -140,12 +141,11 @@ def aggregate_rows(samples: torch.Tensor, reasons: torch.Tensor) -> torch.Tensor
     for name in RULES:
         column[f"rule/{name}"] = ((reasons & RULE_BIT[name]) != 0).to(dtype)
     stacked = torch.stack([column[name] for name, _ in AGGREGATES], dim=1)
+    first, last = MAX_AGGREGATES[0], MAX_AGGREGATES[-1] + 1  # the maxima are contiguous
     sums = stacked.sum(dim=0)
-    if stacked.shape[0] == 0:
-        return torch.where(torch.tensor([how == "max" for _, how in AGGREGATES], device=sums.device), -math.inf, sums)
-    maxima = stacked.nan_to_num(nan=-math.inf).amax(dim=0)
-    is_max = torch.tensor([how == "max" for _, how in AGGREGATES], device=sums.device)
-    return torch.where(is_max, maxima, sums)
+    maxima = stacked[:, first:last].nan_to_num(nan=-math.inf)
+    maxima = maxima.amax(dim=0) if stacked.shape[0] else torch.full_like(sums[first:last], -math.inf)
+    return torch.cat([sums[:first], maxima, sums[last:]])
 
 
 def combine_aggregates(per_rank: list[list[float]]) -> dict[str, float]:

@@ -67,13 +67,31 @@ def _masked_mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: on CUDA through pinned memory and a non-blocking copy
+    (PyTorch's caching host allocator keeps the pinned block until the copy is done); a plain copy elsewhere. A
+    blocking host→device copy waits for the stream, a second host sync in the guard's step."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+@functools.cache
+def _edges_on(which: str, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The bucket and histogram edges on a device, copied once (a copy per step would be a host sync each)."""
+    values = {"engine": torch.tensor(ENGINE_BUCKET_EDGES, dtype=torch.float64), "delta": DELTA_BIN_EDGES,
+              "excess": torch.tensor(EXCESS_EDGES, dtype=torch.float64)}[which]
+    return to_device(values.to(dtype), device)
+
+
 def engine_bucket(engine: torch.Tensor) -> torch.Tensor:
     """Bucket index (0 … NUM_ENGINE_BUCKETS − 1) of each engine logprob, by :data:`ENGINE_BUCKET_EDGES`.
 
     >>> engine_bucket(torch.tensor([-7.0, -3.0, -1.0, -0.1])).tolist()
     [0, 1, 2, 3]
     """
-    edges = torch.tensor(ENGINE_BUCKET_EDGES, dtype=engine.dtype, device=engine.device)
+    edges = _edges_on("engine", engine.dtype, str(engine.device))
     return torch.bucketize(engine.contiguous(), edges, right=True)
 
 
@@ -192,7 +210,7 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
         "drift_start": torch.where(compared > 0, drift_start, torch.full_like(drift_start, -1)),
     }
     samples = torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
-    bins = torch.bucketize(abs_delta, DELTA_BIN_EDGES.to(device=valid.device, dtype=abs_delta.dtype), right=True) - 1
+    bins = torch.bucketize(abs_delta, _edges_on("delta", abs_delta.dtype, str(valid.device)), right=True) - 1
     histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.int64, device=valid.device)
     histogram.scatter_add_(0, bins.flatten(), both.flatten().long())  # no boolean indexing: no host sync
     return samples, histogram, contribution
@@ -220,7 +238,7 @@ def calibration_contribution(bucket: torch.Tensor, excess: torch.Tensor, clipped
     out.scatter_add_(0, (base + 2).flatten(), (clipped * clipped * weight).flatten())
     candidates = (compared & candidate).float()
     out.scatter_add_(0, (base + 3).flatten(), candidates.flatten())
-    edges = torch.tensor(EXCESS_EDGES, dtype=excess.dtype, device=excess.device)
+    edges = _edges_on("excess", excess.dtype, str(excess.device))
     index = torch.bucketize(excess.abs().contiguous(), edges, right=True) - 1  # −1 below the first edge
     out.scatter_add_(0, (base + 4 + index.clamp(min=0)).flatten(), (candidates * (index >= 0).float()).flatten())
     return out.view(batch, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
