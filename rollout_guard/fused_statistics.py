@@ -113,7 +113,7 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
 
     mask = mask.view(torch.uint8) if mask.dtype == torch.bool else rows(mask)
     engine, trainer = rows(evidence.engine_logprobs), rows(evidence.trainer_logprobs)
-    injected = evidence.injected if evidence.injected is not None else mask
+    injected = evidence.injected.to(device) if evidence.injected is not None else mask  # the kernel reads it there
     injected = injected.view(torch.uint8) if injected.dtype == torch.bool else injected
     parameters = thresholds if isinstance(thresholds, torch.Tensor) else kernel_parameters(config, thresholds, device)
     _kernel()[(batch,)](
