@@ -13,6 +13,21 @@ def _last_min(v1, i1, v2, i2):
     return tl.where(later, v2, v1), tl.where(later, i2, i1)
 
 @triton.jit
+def _logprobs(pointer, inside, valid, PRESENT: tl.constexpr):
+    # one side's logprobs in a block (0 where the side is absent), which count (valid and finite), and how many
+    # valid tokens are NaN/±inf (none when the side is absent)
+    if PRESENT:
+        values = tl.load(pointer, mask=inside, other=0.0).to(tl.float32)
+        finite = (values == values) & (tl.abs(values) != float("inf"))
+        bad = tl.sum((valid & ~finite).to(tl.int32), axis=0)
+    else:
+        values = inside.to(tl.float32) * 0.0
+        finite = values != values
+        bad = tl.sum(finite.to(tl.int32), axis=0)
+    return values, valid & finite, bad
+
+
+@triton.jit
 def guard_rows(
     mask_ptr, engine_ptr, trainer_ptr, injected_ptr, parameters_ptr, out_ptr,
     length, batch, mask_stride, engine_stride, trainer_stride,
@@ -51,7 +66,6 @@ def guard_rows(
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
     inf = float("inf")
-    zero = tl.zeros([BLOCK], dtype=tl.float32)
 
     tokens = tl.zeros([], dtype=tl.int32)
     compared = tl.zeros([], dtype=tl.int32)
@@ -88,22 +102,10 @@ def guard_rows(
         inside = position < length
         valid = tl.load(mask_ptr + row * mask_stride + position, mask=inside, other=0) != 0
         tokens += tl.sum(valid.to(tl.int32), axis=0)
-        if HAS_ENGINE:
-            engine = tl.load(engine_ptr + row * engine_stride + position, mask=inside, other=0.0).to(tl.float32)
-            engine_finite = (engine == engine) & (tl.abs(engine) != inf)
-            engine_ok = valid & engine_finite
-            nonfinite_engine += tl.sum((valid & ~engine_finite).to(tl.int32), axis=0)
-        else:
-            engine = zero
-            engine_ok = valid & (zero != zero)
-        if HAS_TRAINER:
-            trainer = tl.load(trainer_ptr + row * trainer_stride + position, mask=inside, other=0.0).to(tl.float32)
-            trainer_finite = (trainer == trainer) & (tl.abs(trainer) != inf)
-            trainer_ok = valid & trainer_finite
-            nonfinite_trainer += tl.sum((valid & ~trainer_finite).to(tl.int32), axis=0)
-        else:
-            trainer = zero
-            trainer_ok = valid & (zero != zero)
+        engine, engine_ok, engine_bad = _logprobs(engine_ptr + row * engine_stride + position, inside, valid, HAS_ENGINE)
+        nonfinite_engine += engine_bad
+        trainer, trainer_ok, trainer_bad = _logprobs(trainer_ptr + row * trainer_stride + position, inside, valid, HAS_TRAINER)
+        nonfinite_trainer += trainer_bad
         both = engine_ok & trainer_ok
         engine_count += tl.sum(engine_ok.to(tl.int32), axis=0)
         trainer_count += tl.sum(trainer_ok.to(tl.int32), axis=0)
