@@ -21,8 +21,8 @@ import torch
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
 
 
-def make_batch(rows: int, length: int, device: torch.device) -> RolloutEvidence:
-    generator = torch.Generator(device="cpu").manual_seed(0)
+def make_batch(rows: int, length: int, device: torch.device, seed: int = 0) -> RolloutEvidence:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     engine = -torch.rand(rows, length, generator=generator) * 2
     trainer = engine + 0.02 * torch.randn(rows, length, generator=generator)
     trainer[: max(rows // 100, 1)] -= 9.0  # ~1 % corrupted

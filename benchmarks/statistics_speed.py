@@ -23,26 +23,16 @@ float32 rounding). Also printed: the guard's extra device memory (peak above its
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
-import statistics
-import time
 
 import torch
 
+from guard_overhead import make_batch, time_it as _time_it  # this folder's shared batch and timer
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
 from rollout_guard.packet import PacketLayout, reference_packet
 from rollout_guard.statistics import COLUMN
-
-
-def make_batch(rows: int, length: int, device: torch.device, seed: int = 0) -> RolloutEvidence:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    engine = -torch.rand(rows, length, generator=generator) * 2
-    trainer = engine + 0.02 * torch.randn(rows, length, generator=generator)
-    trainer[: max(rows // 100, 1)] -= 9.0  # ~1 % corrupted
-    lengths = torch.randint(length // 4, length + 1, (rows,), generator=generator)
-    mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    return RolloutEvidence(mask=mask.to(device), engine_logprobs=engine.to(device), trainer_logprobs=trainer.to(device))
 
 
 def trl_metric_ops(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor, completion_mask: torch.Tensor,
@@ -90,22 +80,7 @@ def trl_metric_ops(old_per_token_logps: torch.Tensor, sampling_per_token_logps: 
     return metrics
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_it(fn, device: torch.device, repeats: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        sync(device)
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+time_it = functools.partial(_time_it, warmup=5)
 
 
 def host_syncs(fn) -> int:
