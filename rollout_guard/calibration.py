@@ -127,12 +127,11 @@ class Calibration:
 
     def _compute_thresholds(self) -> tuple[list[float], list[float], list[float]]:
         config = self.config
-        fixed_spike = config.spike_excess if config.spike_excess is not None else math.inf
-        fixed_allowance = config.warmup_drift_allowance
+        fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike floor
+        fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
         warm = self.warm_flags()
         if not any(warm):
-            return ([0.0] * NUM_ENGINE_BUCKETS, [float(fixed_allowance)] * NUM_ENGINE_BUCKETS,
-                    [float(fixed_spike)] * NUM_ENGINE_BUCKETS)
+            return fixed
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
