@@ -101,7 +101,7 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
     device = mask.device
     layout = PacketLayout(batch)
     out = torch.zeros(layout.size, dtype=packet_dtype(device), device=device)
-    out[layout.aggregates.start + 5 : layout.aggregates.start + 9] = -math.inf  # the maxima
+    out[layout.aggregates.start + MAX_AGGREGATES[0] : layout.aggregates.start + MAX_AGGREGATES[-1] + 1] = -math.inf  # maxima
     if batch == 0:
         out[0] = 1.0
         return out
