@@ -15,8 +15,10 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   (healthy hybrid runs, low-probability tokens) gets a larger allowance and a quiet one keeps the configured one;
 * the spike threshold: the ``1 − α`` quantile of healthy ``|x|``, ``x = d − centre``, over the bucket's spike
   candidates (tokens at least one side found likely), with ``α = false_alarm_budget / 1000 / (candidates per
-  sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget; never
-  below ``GuardConfig.spike_excess``.
+  sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget; read in
+  the body of the histogram and extrapolated (:func:`extrapolated_quantile`: the tail itself is censored by the
+  verdict and holds the corruption the rules missed); never below ``GuardConfig.calibrated_spike_floor``; a
+  bucket with fewer than :data:`MIN_SPIKE_CANDIDATES` candidates keeps ``GuardConfig.spike_excess``.
 
 Until a bucket has ``calibration_warmup_tokens`` kept tokens, the fixed thresholds apply (centre 0, the warm-up
 allowance, the spike floor): a run broken from step 1 is judged by those, and never feeds its corrupted tokens
@@ -38,7 +40,7 @@ def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> f
     """The smallest upper bin edge above which at most ``alpha · tokens`` tokens of one bucket lie (nats; +inf
     when even the overflow bin holds more):
 
-    .. math:: q = \\min\\{\\, e_{j+1} \\;:\\; \\textstyle\\sum_{i > j} h_i \\le \\alpha\\, n \\,\\}
+    .. math:: q(\\alpha) = \\min\\{\\, e_{j+1} \\;:\\; \\textstyle\\sum_{i > j} h_i \\le \\alpha\\, n \\,\\}
 
     with ``h`` the bucket's |x| histogram over :data:`EXCESS_EDGES` (``e``; the last bin is [64, inf), so
     ``e_{J+1} = +inf``) and ``n`` all its tokens (those below the first edge included). Host arithmetic on a few
@@ -69,7 +71,57 @@ def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> f
     return math.inf
 
 
+def extrapolated_quantile(histogram: Sequence[float], tokens: float, alpha: float, anchor: float = 0.01,
+                          anchor_tokens: float = 20.0, span: float = 10.0) -> float:
+    """The ``1 − alpha`` quantile of healthy |x|, read where the histogram has data and extrapolated with an
+    exponential tail (nats; +inf when the anchors themselves are past the last edge):
+
+    .. math:: p_1 = \\min\\big(\\max(\\textit{anchor},\\ \\textit{span}\\cdot\\alpha,\\ \\textit{anchor\\_tokens}/n),\\ 1/\\textit{span}\\big),
+              \\quad p_0 = \\textit{span}\\cdot p_1,\\quad
+              q(\\alpha) = q(p_1) + \\big(q(p_1) - q(p_0)\\big)\\,\\frac{\\ln(p_1/\\alpha)}{\\ln(p_0/p_1)}
+
+    with ``q(p)`` the histogram's :func:`spike_quantile`. Why not read ``q(alpha)`` directly: the calibration
+    only sees kept samples, and a sample with a token above the threshold in use is not kept, so the observed
+    tail above the threshold is always empty and a direct reading ratchets the threshold down step after step
+    (measured on the fidelity benchmark: 0.6 % false quarantines in the hybrid heavy-tail condition, all at the
+    floor); and the few corrupted samples a rule misses are kept and sit exactly in that tail (with a reading at
+    10·alpha, missed late-onset rows raised a bucket's threshold to 36 nats and recall of single spikes fell to
+    54 %). So the anchors sit in the body: at the ``1 − anchor`` and ``1 − span · anchor`` quantiles (1 % and
+    10 % of the bucket's tokens), on at least ``anchor_tokens`` tokens, where censored or corrupted tokens at a
+    rate of 0.1 % barely move them. An exponential tail is conservative for Gaussian-like noise (its
+    log-survival bends down ever faster: from the 10 % and 1 % points it puts the 4·10⁻⁶ point at 5.8 σ, not 4.6 σ).
+
+    Args:
+        histogram: (NUM_EXCESS_BINS,) counts.
+        tokens: the bucket's tokens.
+        alpha: tail probability per token.
+
+    >>> h = [0.0] * len(EXCESS_EDGES); h[8] = 900.0; h[12] = 90.0; h[16] = 10.0  # 1000 tokens at ~1, ~2, ~4 nats
+    >>> # anchors p1 = 20/1000, p0 = 0.2: q(0.2) = 1.19, q(0.02) = 2.38, then 1.19 nats per decade for 2.3 decades
+    >>> round(extrapolated_quantile(h, 1000.0, 1e-4), 3)
+    5.115
+    """
+    if tokens <= 0:
+        return math.inf
+    p1 = min(max(anchor, span * alpha, anchor_tokens / tokens), 1.0 / span)
+    p0 = min(span * p1, 1.0)
+    q1, q0 = spike_quantile(histogram, tokens, p1), spike_quantile(histogram, tokens, p0)
+    if math.isinf(q1):
+        return math.inf
+    if p1 <= alpha:
+        return q1
+    return q1 + max(q1 - q0, 0.0) * math.log(p1 / alpha) / math.log(p0 / p1)
+
+
 _UPPER_EDGES = EXCESS_EDGES[1:] + (math.inf,)  # the upper edge of each |x| bin
+
+MIN_SPIKE_CANDIDATES = 50.0
+"""(decayed) spike candidates a bucket needs before its spike threshold is calibrated; until then the fixed
+``GuardConfig.spike_excess`` applies. Healthy tokens may almost never be candidates in a bucket (quiet runs: a
+token below −3 nats for the engine that the trainer finds likely, 0 per step on the H200 rollouts), and then the
+few candidates there are the corrupted samples the rules missed: calibrating on them raised the threshold and
+missed more (measured on the fidelity benchmark). 200 puts the 1 % anchor of :func:`extrapolated_quantile` on 2
+tokens and its 10 % anchor on 20."""
 
 
 class Calibration:
@@ -135,11 +187,13 @@ class Calibration:
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
-        quantile = [spike_quantile(bucket[4:], bucket[3], alpha) for bucket in self._sums]
+        quantile = [extrapolated_quantile(bucket[4:], bucket[3], alpha) for bucket in self._sums]
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
         log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
-        spike = [max(q, fixed_spike) if w else fixed_spike for q, w in zip(quantile, warm, strict=True)]
+        floor = config.calibrated_spike_floor
+        spike = [max(q, floor) if w and n >= MIN_SPIKE_CANDIDATES else fixed_spike
+                 for q, w, n in zip(quantile, warm, candidates, strict=True)]
         centre = [c if w else 0.0 for c, w in zip(self._centre, warm, strict=True)]
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
                      for v, w in zip(self._variance, warm, strict=True)]

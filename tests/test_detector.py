@@ -58,14 +58,14 @@ def test_spike_only_where_one_side_finds_the_token_likely():
     engine = [[-8.0, -0.1], [-0.2, -0.1], [-11.0, -0.1]]
     trainer = [[-18.0, -0.1], [-10.2, -0.1], [-1.0, -0.1]]
     margin = stat(rows(engine, trainer), "spike_margin")
-    assert math.isclose(margin[0], 0.0 - 3.0, abs_tol=1e-5), "the tail token is no candidate; the equal token is"
-    assert margin[1] == pytest.approx(10.0 - 3.0) and margin[2] == pytest.approx(10.0 - 3.0)
+    assert math.isclose(margin[0], 0.0 - 4.0, abs_tol=1e-5), "the tail token is no candidate; the equal token is"
+    assert margin[1] == pytest.approx(10.0 - 4.0) and margin[2] == pytest.approx(10.0 - 4.0)
 
 
 def test_spike_threshold_is_borderline_exact():
     config = GuardConfig(**ONLY_DETECTOR)
-    below = RolloutGuard(config).inspect(rows([[-0.5, -0.1]], [[-3.49, -0.1]]), step=1)
-    above = RolloutGuard(config).inspect(rows([[-0.5, -0.1]], [[-3.51, -0.1]]), step=1)
+    below = RolloutGuard(config).inspect(rows([[-0.5, -0.1]], [[-4.49, -0.1]]), step=1)  # uncalibrated: 4 nats
+    above = RolloutGuard(config).inspect(rows([[-0.5, -0.1]], [[-4.51, -0.1]]), step=1)
     assert below.suspect.tolist() == [False] and above.suspect.tolist() == [True]
     assert above.metrics["rule/directional_spike"] == 1
 
@@ -151,7 +151,7 @@ def test_fixed_thresholds_before_calibration():
     thresholds = Thresholds.fixed(GuardConfig())
     assert thresholds.centre.tolist() == [0.0] * NUM_ENGINE_BUCKETS
     assert thresholds.allowance.tolist() == [2.0] * NUM_ENGINE_BUCKETS
-    assert thresholds.spike.tolist() == [3.0] * NUM_ENGINE_BUCKETS
+    assert thresholds.spike.tolist() == [4.0] * NUM_ENGINE_BUCKETS
 
 
 def test_a_noisy_bucket_gets_a_larger_drift_allowance():
@@ -175,3 +175,52 @@ def test_a_noisy_bucket_gets_a_larger_drift_allowance():
     from rollout_guard.statistics import summarise
     samples = summarise(noisy(), config, fixed)[0]
     assert (samples[:, COLUMN["drift_cusum"]] > config.drift_threshold).float().mean() > 0.5, "control: 0.5 nats is too little here"
+
+
+def gaussian_candidates(generator: torch.Generator, batch: int, length: int, sigma: float) -> RolloutEvidence:
+    """Healthy rows in one engine bucket ([−1.5, −0.5): every token a spike candidate), d ~ N(0, σ²)."""
+    engine = torch.full((batch, length), -1.0)
+    trainer = engine - sigma * torch.randn(batch, length, generator=generator)
+    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=trainer.clamp(max=-0.01))
+
+
+def test_the_spike_threshold_does_not_ratchet_down_under_its_own_censoring():
+    """The calibration sees kept rows only, so the tail above the threshold in use is always empty: a threshold
+    read there sinks step after step to the floor (2 nats = 3.3 σ here: ~6 % of rows flagged). Read in the body
+    and extrapolated, it stays near the healthy 1 − α quantile (α ≈ 8·10⁻⁶ per token: ~4.3 σ = 2.6 nats)."""
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(4)
+    guard = RolloutGuard(config)
+    flagged = rows = 0
+    for step in range(1, 41):
+        report = guard.inspect(gaussian_candidates(generator, 64, 64, sigma=0.6), step=step)
+        if step > 10:
+            flagged += int(report.suspect.sum())
+            rows += 64
+    threshold = float(guard.calibration.thresholds().spike[2])
+    assert threshold > 2.6, threshold
+    assert flagged / rows < 0.005, f"{flagged} of {rows} healthy rows flagged"
+
+
+def test_a_bucket_with_few_candidates_keeps_the_fixed_spike_threshold():
+    """Healthy tokens almost never become candidates in some buckets (below −3 nats for the engine while the
+    trainer finds them likely); the few candidates there are the corrupted rows the rules missed, and calibrating
+    on them would raise the threshold. Under MIN_SPIKE_CANDIDATES the fixed threshold stays."""
+    from rollout_guard.calibration import MIN_SPIKE_CANDIDATES
+    from rollout_guard.statistics import CALIBRATION_WIDTH, EXCESS_EDGES
+
+    config = GuardConfig(calibration_warmup_tokens=1000)
+    contribution = torch.zeros(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH, dtype=torch.float64)
+    high_bin = EXCESS_EDGES.index(8.0)  # |x| in [8, 9.5) nats: missed corruption
+    assert 40 < MIN_SPIKE_CANDIDATES < 60
+    for bucket, candidates, where in ((0, 40.0, high_bin), (1, 60.0, high_bin), (2, 30000.0, 0)):
+        contribution[bucket, 0] = 30000.0
+        contribution[bucket, 3] = candidates
+        contribution[bucket, 4 + where] = candidates
+    calibration = Calibration(config)
+    calibration.update(contribution, kept_rows=100.0)
+    spike = calibration.threshold_values()[2]
+    assert spike[0] == config.spike_excess  # too few candidates: fixed
+    assert spike[1] > 8.0  # enough candidates: calibrated on what it saw
+    assert spike[2] == config.calibrated_spike_floor  # quiet bucket: the floor

@@ -25,8 +25,8 @@ from benchmarks.fidelity_kit.score import replay  # noqa: E402
 DATA = sorted(glob.glob(str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parquet")))
 
 # pooled over conditions: the least recall per fault, the most false quarantines per clean rollout
-# (measured on this subset, 2026-11-30: gibberish 1.0, NaN 1.0, moderate 0.89, late onset 0.80, isolated 0.94,
-# single 0.94, truncated 0.89, real context swap 0.98, real late onset 1.0; false: real 0, dense tail 0, hybrid
+# (measured on this subset, 2026-11-30, extrapolated spike calibration: gibberish 1.0, NaN 1.0, moderate 0.89, late
+# onset 0.80, isolated 0.93, single 0.94, truncated 0.96, real context swap 0.99, real late onset 1.0; false: real 0, dense tail 0, hybrid
 # tail 0.0067, top-k 0.0022. Smaller than the benchmark's 256-rollout steps, the calibration warms up later here.)
 RECALL_AT_LEAST = {
     "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.8, "late_onset": 0.7,
