@@ -47,7 +47,7 @@ def guard_rows(
     confident_logprob = tl.load(parameters_ptr + 12)
     doubtful_logprob = tl.load(parameters_ptr + 13)
     divergence_delta = tl.load(parameters_ptr + 14)
-    spike_min_logprob = tl.load(parameters_ptr + 15)
+    spike_min_engine_logprob = tl.load(parameters_ptr + 15)
     edge0 = tl.load(parameters_ptr + 16)
     edge1 = tl.load(parameters_ptr + 17)
     edge2 = tl.load(parameters_ptr + 18)
@@ -60,8 +60,9 @@ def guard_rows(
     mean_delta = tl.load(parameters_ptr + 25)
     min_confident_wrong = tl.load(parameters_ptr + 26)
     drift_threshold = tl.load(parameters_ptr + 27)
-    delta_edges_ptr = parameters_ptr + 28
-    excess_edges_ptr = parameters_ptr + 28 + NUM_DELTA
+    spike_min_trainer_logprob = tl.load(parameters_ptr + 28)
+    delta_edges_ptr = parameters_ptr + 29
+    excess_edges_ptr = parameters_ptr + 29 + NUM_DELTA
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -135,7 +136,7 @@ def guard_rows(
         allowance = tl.load(thresholds_ptr + 4 + bucket)
         spike = tl.load(thresholds_ptr + 8 + bucket)
         excess = tl.where(both, (engine - trainer) - centre, 0.0)
-        likely = both & (tl.maximum(engine, trainer) >= spike_min_logprob)
+        likely = both & ((engine >= spike_min_engine_logprob) | (trainer >= spike_min_trainer_logprob))
         margin = tl.maximum(margin, tl.max(tl.where(likely, tl.abs(excess) - spike, -inf), axis=0))
         likely_count += tl.sum(likely.to(tl.int32), axis=0)
         clipped = tl.minimum(tl.maximum(excess, clip_low), clip_high)

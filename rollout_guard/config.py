@@ -68,8 +68,8 @@ class GuardConfig:
     would poison the loss whatever the engine did. Default 1."""
 
     spike_excess: float | None = 4.0
-    """nats. Rule ``directional_spike``: some token that at least one side found likely (logprob ≥
-    ``spike_min_engine_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above its engine bucket's
+    """nats. Rule ``directional_spike``: some token that one side found likely (``spike_min_engine_logprob``,
+    ``spike_min_trainer_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above its engine bucket's
     threshold: this value until the bucket is calibrated, then the run's extrapolated ``1 − α`` quantile of healthy
     ``|x|`` (α from ``false_alarm_budget``; see :mod:`rollout_guard.calibration`), never below
     ``calibrated_spike_floor``. Catches 1–3 isolated spikes (the scan-kernel overflow of vLLM PR #35275) in either
@@ -89,13 +89,24 @@ class GuardConfig:
     (≤ 0.06 %); 2.5 caught no more and lost late-onset recall; 1.5 fired on top-k=20 rows whose renormalisation
     offset reaches 2.2 nats. Default 2.0."""
 
-    spike_min_engine_logprob: float = math.log(0.2)
-    """nats. Only tokens that at least one side gave at least this logprob are ``directional_spike`` candidates.
-    Healthy runs put their large |Δ| (10–18 nats in 7B runs, allenai/open-instruct) on tokens both sides find
-    unlikely, and healthy noise grows with a token's surprise (measured on the fidelity benchmark's H200 rollouts:
-    std of Δ 0.001 nats at engine logprob > −0.1, 0.02–0.03 at −3…−1). With ln 0.05 the hybrid heavy-tail noise
-    model put 2–4 % of clean samples over the 3-nat floor; ln 0.2 ≈ −1.6 keeps the candidates where that noise
-    is ≤ 0.5 nats. Default ln 0.2 ≈ −1.61."""
+    spike_min_engine_logprob: float = math.log(0.05)
+    """nats. A token the engine gave at least this logprob is a ``directional_spike`` candidate (either direction).
+    Corruption puts tokens the engine found likely (stale state: −2.5…−0.5 nats in the fault zoo; after a top-k=5
+    policy's flattening, down to −3.6), while healthy runs put their large |Δ| (10–18 nats in 7B runs,
+    allenai/open-instruct) on tokens both sides find unlikely, and healthy noise grows with a token's surprise
+    (measured on the fidelity benchmark's H200 rollouts: std of Δ 0.001 nats at engine logprob > −0.1, 0.02–0.03 at
+    −3…−1), which the calibrated per-bucket thresholds absorb. Measured on the fidelity benchmark (1,000 faults per
+    condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled (top-k=5 condition 57–59 → ≥ 94 %),
+    late onset 93.5 → 96.9 %, isolated spikes 92.5 → 96.7 %, with no more false quarantines as long as the
+    trainer side keeps its own, higher cut (``spike_min_trainer_logprob``). Default ln 0.05 ≈ −3.0."""
+
+    spike_min_trainer_logprob: float = math.log(0.2)
+    """nats. A token the trainer gave at least this logprob is a ``directional_spike`` candidate too (an engine
+    that returns a garbage low logprob for a token the trainer finds likely: the scan-kernel overflow's other
+    direction). Higher than the engine's cut because the hybrid heavy-tail noise model lifts the trainer's logprob
+    of tokens the engine put at −5…−10 nats to −3…−2 (measured: with ln 0.05 here, 4–11 clean samples per condition
+    went over the threshold); at ln 0.2 that noise reaches it a few times per 10,000 samples, which the calibrated
+    threshold of the bucket below −3 nats covers. Default ln 0.2 ≈ −1.61."""
 
     drift_threshold: float | None = 6.0
     """nats. Rule ``drift``: the CUSUM of ``clip(x, −1, 4) − allowance`` over the sample's tokens exceeds this.
@@ -236,9 +247,10 @@ class GuardConfig:
             value = getattr(self, name)
             if not (_is_number(value) and 0 <= value < math.inf):
                 raise GuardConfigError(name, value, "use a finite number of nats per token ≥ 0")
-        if not (_is_number(self.spike_min_engine_logprob) and -math.inf < self.spike_min_engine_logprob <= 0):
-            raise GuardConfigError("spike_min_engine_logprob", self.spike_min_engine_logprob,
-                                   "use a finite log-probability in nats (≤ 0), e.g. math.log(0.05)")
+        for name in ("spike_min_engine_logprob", "spike_min_trainer_logprob"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -math.inf < value <= 0):
+                raise GuardConfigError(name, value, "use a finite log-probability in nats (≤ 0), e.g. math.log(0.05)")
         if not (_is_number(self.false_alarm_budget) and 0 < self.false_alarm_budget < 1000):
             raise GuardConfigError("false_alarm_budget", self.false_alarm_budget,
                                    "use expected false firings per 1,000 clean samples, in (0, 1000)")

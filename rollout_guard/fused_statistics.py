@@ -74,15 +74,15 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                       device: torch.device | str) -> torch.Tensor:
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
     calibration update): the per-bucket thresholds (centre, allowance, spike; 12), the config's token
-    thresholds and rule thresholds (16; +inf for a rule that is off), the |Δ| and |x| histogram edges as the
+    thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut, the |Δ| and |x| histogram edges as the
     reference compares them (float32). ``thresholds``: tensors or the calibration's lists of floats."""
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
                float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
                _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
-               _threshold(config.drift_threshold)]
-    assert len(values) == 28
+               _threshold(config.drift_threshold), float(config.spike_min_trainer_logprob)]
+    assert len(values) == 29
     return to_device(torch.tensor(values + _EDGE_VALUES, dtype=torch.float32), device)
 
 

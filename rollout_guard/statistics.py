@@ -184,7 +184,7 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
     bucket = engine_bucket(torch.where(engine_ok, engine, torch.zeros_like(engine)))
     centre, allowance, spike = (t.to(device=valid.device, dtype=torch.float32)[bucket] for t in thresholds)
     excess = torch.where(both, (engine - trainer) - centre, torch.zeros_like(engine))
-    likely = both & (torch.maximum(engine, trainer) >= config.spike_min_engine_logprob)
+    likely = both & ((engine >= config.spike_min_engine_logprob) | (trainer >= config.spike_min_trainer_logprob))
     spike_margin = _masked_max(excess.abs() - spike, likely)
     clipped = excess.clamp(*EXCESS_CLIP)
     drift, drift_start = cusum_drawup(clipped - allowance, both)

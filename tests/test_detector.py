@@ -62,6 +62,19 @@ def test_spike_only_where_one_side_finds_the_token_likely():
     assert margin[1] == pytest.approx(10.0 - 4.0) and margin[2] == pytest.approx(10.0 - 4.0)
 
 
+def test_spike_candidates_have_a_lower_cut_on_the_engine_side_than_on_the_trainer_side():
+    """Corruption puts tokens the engine liked (down to 5 %); healthy surprise noise lifts the trainer's logprob of
+    tokens the engine found unlikely. A 6-nat gap where the engine gave −2.5 is a candidate; the mirror image, the
+    trainer at −2.5 and the engine at −8.5, is not (the trainer's cut is ln 0.2); at the trainer's cut it is."""
+    engine = [[-2.5, -0.1], [-8.5, -0.1], [-7.6, -0.1], [-3.05, -0.1]]
+    trainer = [[-8.5, -0.1], [-2.5, -0.1], [math.log(0.2), -0.1], [-9.05, -0.1]]
+    margin = stat(rows(engine, trainer), "spike_margin")
+    assert margin[0] == pytest.approx(6.0 - 4.0, abs=1e-5)
+    assert margin[1] == pytest.approx(0.0 - 4.0, abs=1e-5), "only the equal token is a candidate"
+    assert margin[2] == pytest.approx(7.6 + math.log(0.2) - 4.0, abs=1e-5)
+    assert margin[3] == pytest.approx(0.0 - 4.0, abs=1e-5), "the engine just below its cut (ln 0.05 ≈ −3.0)"
+
+
 def test_spike_threshold_is_borderline_exact():
     config = GuardConfig(**ONLY_DETECTOR)
     below = RolloutGuard(config).inspect(rows([[-0.5, -0.1]], [[-4.49, -0.1]]), step=1)  # uncalibrated: 4 nats
