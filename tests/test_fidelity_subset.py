@@ -25,15 +25,17 @@ from benchmarks.fidelity_kit.score import replay  # noqa: E402
 DATA = sorted(glob.glob(str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parquet")))
 
 # pooled over conditions: the least recall per fault, the most false quarantines per clean rollout
-# (measured on this subset, 2026-11-30, extrapolated spike calibration: gibberish 1.0, NaN 1.0, moderate 0.89, late
-# onset 0.80, isolated 0.93, single 0.94, truncated 0.96, real context swap 0.99, real late onset 1.0; false: real 0, dense tail 0, hybrid
-# tail 0.0067, top-k 0.0022. Smaller than the benchmark's 256-rollout steps, the calibration warms up later here.)
+# (measured on this subset, 2026-11-30, after the third session's detector change: gibberish 1.0, NaN 1.0, moderate
+# 0.81, late onset 0.76, isolated 0.92, single 0.90, truncated 0.94, real context swap 0.99, real late onset 1.0;
+# false: real 0, dense tail 0, hybrid tail 0.0011, top-k 0. Smaller than the benchmark's 256-rollout steps, the
+# calibration warms up later here, so the uncalibrated 4-nat spike threshold judges more of the rows than there:
+# before that change moderate 0.89, late onset 0.80, single 0.94, hybrid tail false 0.0067, top-k false 0.0022.)
 RECALL_AT_LEAST = {
-    "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.8, "late_onset": 0.7,
+    "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.75, "late_onset": 0.7,
     "isolated_spikes": 0.85, "single_spike": 0.85, "truncated_gibberish": 0.8, "real_context_swap": 0.9,
     "real_late_onset": 0.9,
 }
-FALSE_AT_MOST = {"real": 0.0, "tail_dense7b": 0.005, "tail_hybrid7b": 0.015, "topk5_high_entropy": 0.01}
+FALSE_AT_MOST = {"real": 0.0, "tail_dense7b": 0.005, "tail_hybrid7b": 0.005, "topk5_high_entropy": 0.005}
 
 
 def measure(preset_name: str) -> tuple[dict[str, float], dict[str, float]]:
