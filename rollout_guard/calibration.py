@@ -14,14 +14,15 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   probability ≈ exp(−2ah/σ²) (Siegmund's approximation), and a sample has at most ~L excursions, so a noisy bucket
   (healthy hybrid runs, low-probability tokens) gets a larger allowance and a quiet one keeps the configured one;
 * the spike threshold: the ``1 − α`` quantile of healthy ``|x|``, ``x = d − centre``, over the bucket's spike
-  candidates (tokens at least one side found likely), with ``α = false_alarm_budget / 1000 / (candidates per
+  candidates (tokens the engine or the trainer found likely: ``GuardConfig.spike_min_engine_logprob``,
+  ``spike_min_trainer_logprob``), with ``α = false_alarm_budget / 1000 / (candidates per
   sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget; read in
   the body of the histogram and extrapolated (:func:`extrapolated_quantile`: the tail itself is censored by the
   verdict and holds the corruption the rules missed); never below ``GuardConfig.calibrated_spike_floor``; a
   bucket with fewer than :data:`MIN_SPIKE_CANDIDATES` candidates keeps ``GuardConfig.spike_excess``.
 
 Until a bucket has ``calibration_warmup_tokens`` kept tokens, the fixed thresholds apply (centre 0, the warm-up
-allowance, the spike floor): a run broken from step 1 is judged by those, and never feeds its corrupted tokens
+allowance, ``spike_excess``): a run broken from step 1 is judged by those, and never feeds its corrupted tokens
 into the calibration as long as the fixed thresholds catch them.
 """
 
@@ -179,7 +180,7 @@ class Calibration:
 
     def _compute_thresholds(self) -> tuple[list[float], list[float], list[float]]:
         config = self.config
-        fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike floor
+        fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
         warm = self.warm_flags()
         if not any(warm):

@@ -32,7 +32,7 @@ SAMPLE_COLUMNS = (
     "nonfinite_engine_tokens",  # tokens whose engine logprob is NaN/±inf
     "nonfinite_trainer_tokens",  # tokens whose trainer logprob is NaN/±inf
     "injected",  # 1/0 ground truth from a fault injector, NaN without one
-    "spike_margin",  # nats: max over tokens likely for either side of (|x| − the bucket's spike threshold); > 0 fires
+    "spike_margin",  # nats: max over spike candidates (engine or trainer found them likely) of (|x| − the bucket's spike threshold); > 0 fires
     "drift_cusum",  # nats: max over the sequence of the CUSUM of (clip(x) − allowance)
     "drift_start",  # index in the completion where that CUSUM run starts, −1 without a compared token
 )
@@ -133,7 +133,7 @@ class Thresholds(NamedTuple):
 
     @classmethod
     def fixed(cls, config: GuardConfig, device: torch.device | str = "cpu") -> Thresholds:
-        """Before calibration: centre 0, the warm-up allowance, the spike floor."""
+        """Before calibration: centre 0, the warm-up allowance, the uncalibrated spike threshold ``spike_excess``."""
         full = functools.partial(torch.full, (NUM_ENGINE_BUCKETS,), dtype=torch.float32, device=device)
         spike = config.spike_excess if config.spike_excess is not None else math.inf
         return cls(full(0.0), full(config.warmup_drift_allowance), full(spike))
