@@ -19,7 +19,8 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget; read in
   the body of the histogram and extrapolated (:func:`extrapolated_quantile`: the tail itself is censored by the
   verdict and holds the corruption the rules missed); never below ``GuardConfig.calibrated_spike_floor``; a
-  bucket with fewer than :data:`MIN_SPIKE_CANDIDATES` candidates keeps ``GuardConfig.spike_excess``.
+  bucket with fewer than :data:`MIN_SPIKE_CANDIDATES` candidates gets the :func:`gaussian_bound` of its kept
+  tokens' spread instead, never above ``GuardConfig.spike_excess``.
 
 Until a bucket has ``calibration_warmup_tokens`` kept tokens, the fixed thresholds apply (centre 0, the warm-up
 allowance, ``spike_excess``): a run broken from step 1 is judged by those, and never feeds its corrupted tokens
@@ -116,9 +117,26 @@ def extrapolated_quantile(histogram: Sequence[float], tokens: float, alpha: floa
 
 _UPPER_EDGES = EXCESS_EDGES[1:] + (math.inf,)  # the upper edge of each |x| bin
 
+def gaussian_bound(sd: float, alpha: float) -> float:
+    """The |x| that healthy noise of standard deviation ``sd`` exceeds with probability at most ``alpha`` if it were
+    Gaussian (nats), from the tail bound P(|Z| > z) ≤ 2 exp(−z²/2):
+
+    .. math:: b = \\sigma \\sqrt{2 \\ln(2/\\alpha)}
+
+    Used for a bucket whose candidates are too few to read a quantile (:data:`MIN_SPIKE_CANDIDATES`), with σ the
+    spread of clip(x) over all the bucket's kept tokens: in a quiet run the engine-unlikely bucket has no healthy
+    candidate at all but its tokens' spread is known (0.03–0.1 nats on the H200 rollouts), so a garbage engine
+    logprob there is still judged against the floor instead of the uncalibrated threshold.
+
+    >>> round(gaussian_bound(0.1, 4e-6), 3)
+    0.512
+    """
+    return sd * math.sqrt(2.0 * math.log(2.0 / alpha)) if alpha > 0 else math.inf
+
+
 MIN_SPIKE_CANDIDATES = 50.0
-"""(decayed) spike candidates a bucket needs before its spike threshold is calibrated; until then the fixed
-``GuardConfig.spike_excess`` applies. Healthy tokens may almost never be candidates in a bucket (quiet runs: a
+"""(decayed) spike candidates a bucket needs before its spike threshold is read from its candidates; until then
+it is the :func:`gaussian_bound` of all its kept tokens' spread, capped at ``GuardConfig.spike_excess``. Healthy tokens may almost never be candidates in a bucket (quiet runs: a
 token below −3 nats for the engine that the trainer finds likely, 0 per step on the H200 rollouts), and then the
 few candidates there are the corrupted samples the rules missed: calibrating on them raised the threshold and
 missed more (measured on the fidelity benchmark). 200 puts the 1 % anchor of :func:`extrapolated_quantile` on 2
@@ -193,8 +211,9 @@ class Calibration:
         tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
         log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
         floor = config.calibrated_spike_floor
-        spike = [max(q, floor) if w and n >= MIN_SPIKE_CANDIDATES else fixed_spike
-                 for q, w, n in zip(quantile, warm, candidates, strict=True)]
+        bound = [gaussian_bound(math.sqrt(v), alpha) for v in self._variance]  # for candidate-sparse buckets
+        spike = [fixed_spike if not w else max(q if n >= MIN_SPIKE_CANDIDATES else min(b, fixed_spike), floor)
+                 for q, w, n, b in zip(quantile, warm, candidates, bound, strict=True)]
         centre = [c if w else 0.0 for c, w in zip(self._centre, warm, strict=True)]
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
                      for v, w in zip(self._variance, warm, strict=True)]

@@ -80,9 +80,10 @@ class GuardConfig:
     an uncalibrated top-k=5 high-entropy policy (≈ 1.5 nats). Default 4.0."""
 
     calibrated_spike_floor: float = 2.0
-    """nats. Once a bucket's spike threshold is calibrated (``calibration_warmup_tokens`` kept tokens and 50 spike
-    candidates, :data:`rollout_guard.calibration.MIN_SPIKE_CANDIDATES`), it is the larger of this and the run's
-    extrapolated healthy quantile; before, ``spike_excess`` applies. Lower than ``spike_excess`` so that a 3-nat
+    """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold is the
+    larger of this and the run's extrapolated healthy quantile (with fewer than 50 spike candidates,
+    :data:`rollout_guard.calibration.MIN_SPIKE_CANDIDATES`: the Gaussian bound of its tokens' spread, capped at
+    ``spike_excess``); before, ``spike_excess`` applies. Lower than ``spike_excess`` so that a 3-nat
     spike still fires when the token's own noise or a processed-logprob offset takes up to 1 nat off it; measured on
     the fidelity benchmark (300 faults per condition): floor 2.0 caught 99.3–100 % of single spikes outside the
     top-k=5 condition (the 3.0 floor: 96–98 %) and its false ``directional_spike`` firings stayed ≤ 5 per condition

@@ -216,24 +216,29 @@ def test_the_spike_threshold_does_not_ratchet_down_under_its_own_censoring():
     assert flagged / rows < 0.005, f"{flagged} of {rows} healthy rows flagged"
 
 
-def test_a_bucket_with_few_candidates_keeps_the_fixed_spike_threshold():
+def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_candidates():
     """Healthy tokens almost never become candidates in some buckets (below −3 nats for the engine while the
     trainer finds them likely); the few candidates there are the corrupted rows the rules missed, and calibrating
-    on them would raise the threshold. Under MIN_SPIKE_CANDIDATES the fixed threshold stays."""
-    from rollout_guard.calibration import MIN_SPIKE_CANDIDATES
+    on them would raise the threshold. Under MIN_SPIKE_CANDIDATES a bucket's threshold is the Gaussian bound of
+    its kept tokens' spread (never above the uncalibrated threshold, never below the floor)."""
+    from rollout_guard.calibration import MIN_SPIKE_CANDIDATES, gaussian_bound
     from rollout_guard.statistics import CALIBRATION_WIDTH, EXCESS_EDGES
 
     config = GuardConfig(calibration_warmup_tokens=1000)
     contribution = torch.zeros(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH, dtype=torch.float64)
     high_bin = EXCESS_EDGES.index(8.0)  # |x| in [8, 9.5) nats: missed corruption
     assert 40 < MIN_SPIKE_CANDIDATES < 60
-    for bucket, candidates, where in ((0, 40.0, high_bin), (1, 60.0, high_bin), (2, 30000.0, 0)):
+    # bucket: (candidates, where they sit, spread of all its tokens in nats)
+    for bucket, candidates, where, sd in ((0, 40.0, high_bin, 0.1), (1, 60.0, high_bin, 0.1), (2, 30000.0, 0, 0.1),
+                                          (3, 40.0, high_bin, 1.5)):
         contribution[bucket, 0] = 30000.0
+        contribution[bucket, 2] = 30000.0 * sd**2  # Σ clip(x)² with Σ clip(x) = 0
         contribution[bucket, 3] = candidates
         contribution[bucket, 4 + where] = candidates
     calibration = Calibration(config)
     calibration.update(contribution, kept_rows=100.0)
     spike = calibration.threshold_values()[2]
-    assert spike[0] == config.spike_excess  # too few candidates: fixed
+    assert spike[0] == config.calibrated_spike_floor  # quiet tokens, few candidates: the floor, not 8+ nats
     assert spike[1] > 8.0  # enough candidates: calibrated on what it saw
     assert spike[2] == config.calibrated_spike_floor  # quiet bucket: the floor
+    assert gaussian_bound(1.5, 1e-5) > config.spike_excess and spike[3] == config.spike_excess  # noisy, few: capped
