@@ -117,6 +117,7 @@ def extrapolated_quantile(histogram: Sequence[float], tokens: float, alpha: floa
 
 _UPPER_EDGES = EXCESS_EDGES[1:] + (math.inf,)  # the upper edge of each |x| bin
 
+
 def gaussian_bound(sd: float, alpha: float) -> float:
     """The |x| that healthy noise of standard deviation ``sd`` exceeds with probability at most ``alpha`` if it were
     Gaussian (nats), from the tail bound P(|Z| > z) ≤ 2 exp(−z²/2):
@@ -136,11 +137,11 @@ def gaussian_bound(sd: float, alpha: float) -> float:
 
 MIN_SPIKE_CANDIDATES = 50.0
 """(decayed) spike candidates a bucket needs before its spike threshold is read from its candidates; until then
-it is the :func:`gaussian_bound` of all its kept tokens' spread, capped at ``GuardConfig.spike_excess``. Healthy tokens may almost never be candidates in a bucket (quiet runs: a
-token below −3 nats for the engine that the trainer finds likely, 0 per step on the H200 rollouts), and then the
-few candidates there are the corrupted samples the rules missed: calibrating on them raised the threshold and
-missed more (measured on the fidelity benchmark). 200 puts the 1 % anchor of :func:`extrapolated_quantile` on 2
-tokens and its 10 % anchor on 20."""
+it is the :func:`gaussian_bound` of all its kept tokens' spread, capped at ``GuardConfig.spike_excess``. Healthy
+tokens may almost never be candidates in a bucket (quiet runs: a token below −3 nats for the engine that the
+trainer finds likely, 0 per step on the H200 rollouts), and then the few candidates there are the corrupted
+samples the rules missed: calibrating on them raised the threshold and missed more (measured on the fidelity
+benchmark). At 50, :func:`extrapolated_quantile` reads its upper anchor on 5 tokens."""
 
 
 class Calibration:

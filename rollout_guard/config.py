@@ -76,8 +76,8 @@ class GuardConfig:
     direction. Measured on the fidelity benchmark (1,000 faults per condition): with 3.0, the hybrid heavy-tail
     noise put 4–11 clean samples per condition (up to 0.14 %) over it in the first, uncalibrated steps (an engine
     logprob of −4…−6 for a token the trainer gives ≥ 20 %), with 4.0 none; recall of isolated spikes fell by
-    0–1 point (the bucket below −3 nats stays uncalibrated in quiet runs). Above the processed-logprob offset of
-    an uncalibrated top-k=5 high-entropy policy (≈ 1.5 nats). Default 4.0."""
+    0–1 point. Above the processed-logprob offset of an uncalibrated top-k=5 high-entropy policy (≈ 1.5 nats).
+    Default 4.0."""
 
     calibrated_spike_floor: float = 2.0
     """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold is the
@@ -85,7 +85,7 @@ class GuardConfig:
     :data:`rollout_guard.calibration.MIN_SPIKE_CANDIDATES`: the Gaussian bound of its tokens' spread, capped at
     ``spike_excess``); before, ``spike_excess`` applies. Lower than ``spike_excess`` so that a 3-nat
     spike still fires when the token's own noise or a processed-logprob offset takes up to 1 nat off it; measured on
-    the fidelity benchmark (300 faults per condition): floor 2.0 caught 99.3–100 % of single spikes outside the
+    the fidelity benchmark (300 faults per condition, both candidate cuts at ln 0.2 then): floor 2.0 caught 99.3–100 % of single spikes outside the
     top-k=5 condition (the 3.0 floor: 96–98 %) and its false ``directional_spike`` firings stayed ≤ 5 per condition
     (≤ 0.06 %); 2.5 caught no more and lost late-onset recall; 1.5 fired on top-k=20 rows whose renormalisation
     offset reaches 2.2 nats. Default 2.0."""
@@ -97,9 +97,10 @@ class GuardConfig:
     allenai/open-instruct) on tokens both sides find unlikely, and healthy noise grows with a token's surprise
     (measured on the fidelity benchmark's H200 rollouts: std of Δ 0.001 nats at engine logprob > −0.1, 0.02–0.03 at
     −3…−1), which the calibrated per-bucket thresholds absorb. Measured on the fidelity benchmark (1,000 faults per
-    condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled (top-k=5 condition 57–59 → ≥ 94 %),
-    late onset 93.5 → 96.9 %, isolated spikes 92.5 → 96.7 %, with no more false quarantines as long as the
-    trainer side keeps its own, higher cut (``spike_min_trainer_logprob``). Default ln 0.05 ≈ −3.0."""
+    condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled (top-k=5 condition 57–59 → 94–99 %),
+    late onset 93.5 → 96.9 %, isolated spikes 92.5 → 95.0 %, at 1–2 more false quarantines in three of the 27
+    conditions (of 7,040–15,488 clean samples each) as long as the trainer side keeps its own, higher cut
+    (``spike_min_trainer_logprob``). Default ln 0.05 ≈ −3.0."""
 
     spike_min_trainer_logprob: float = math.log(0.2)
     """nats. A token the trainer gave at least this logprob is a ``directional_spike`` candidate too (an engine
@@ -239,7 +240,7 @@ class GuardConfig:
             raise GuardConfigError("doubtful_logprob", self.doubtful_logprob,
                                    f"use a value below confident_logprob={self.confident_logprob:g} (a token cannot be both)")
         if not (_is_number(self.calibrated_spike_floor) and 0 <= self.calibrated_spike_floor < math.inf):
-            raise GuardConfigError("calibrated_spike_floor", self.calibrated_spike_floor, "use nats ≥ 0, e.g. 1.5")
+            raise GuardConfigError("calibrated_spike_floor", self.calibrated_spike_floor, "use nats ≥ 0, e.g. 2.0")
         for name in ("spike_excess", "drift_threshold"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):

@@ -32,7 +32,7 @@ SAMPLE_COLUMNS = (
     "nonfinite_engine_tokens",  # tokens whose engine logprob is NaN/±inf
     "nonfinite_trainer_tokens",  # tokens whose trainer logprob is NaN/±inf
     "injected",  # 1/0 ground truth from a fault injector, NaN without one
-    "spike_margin",  # nats: max over spike candidates (engine or trainer found them likely) of (|x| − the bucket's spike threshold); > 0 fires
+    "spike_margin",  # nats: max over spike candidates of (|x| − the bucket's spike threshold); > 0 fires
     "drift_cusum",  # nats: max over the sequence of the CUSUM of (clip(x) − allowance)
     "drift_start",  # index in the completion where that CUSUM run starts, −1 without a compared token
 )
