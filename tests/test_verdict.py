@@ -48,7 +48,7 @@ def test_thresholds_are_strict_or_inclusive_as_documented():
 def test_defaults_are_ceilings_above_healthy_heavy_tails():
     """Release 0.1 flagged an 8.5-nat token and a 1.5-nat mean; healthy 7B runs reach 10–18 nats per step and a
     top_k=5 high-entropy policy ≈ 1.5 nats per token: the default ceilings let those pass."""
-    samples = rows({"max_abs_delta": 18.0}, {"mean_abs_delta": 1.9}, {"max_abs_delta": 25.01}, {"mean_abs_delta": 3.01})
+    samples = rows({"max_abs_delta": 18.0}, {"mean_abs_delta": 2.49}, {"max_abs_delta": 25.01}, {"mean_abs_delta": 2.51})
     assert judge(samples, GuardConfig()).suspect.tolist() == [False, False, True, True]
 
 
