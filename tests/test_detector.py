@@ -200,8 +200,9 @@ def gaussian_candidates(generator: torch.Generator, batch: int, length: int, sig
 
 def test_the_spike_threshold_does_not_ratchet_down_under_its_own_censoring():
     """The calibration sees kept rows only, so the tail above the threshold in use is always empty: a threshold
-    read there sinks step after step to the floor (2 nats = 3.3 σ here: ~6 % of rows flagged). Read in the body
-    and extrapolated, it stays near the healthy 1 − α quantile (α ≈ 8·10⁻⁶ per token: ~4.3 σ = 2.6 nats)."""
+    read there sinks step after step (measured: 2.38 nats = 4.0 σ after 40 steps, 6 of the last 1,920 healthy rows
+    flagged). Read in the body and extrapolated, it stays above the healthy 1 − α quantile (α ≈ 8·10⁻⁶ per token,
+    ~4.5 σ = 2.7 nats; measured 2.70, no row flagged)."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
     generator = torch.Generator().manual_seed(4)
     guard = RolloutGuard(config)
@@ -212,8 +213,8 @@ def test_the_spike_threshold_does_not_ratchet_down_under_its_own_censoring():
             flagged += int(report.suspect.sum())
             rows += 64
     threshold = float(guard.calibration.thresholds().spike[2])
-    assert threshold > 2.6, threshold
-    assert flagged / rows < 0.005, f"{flagged} of {rows} healthy rows flagged"
+    assert threshold > 2.6, threshold  # checked before the count, so a failure names the threshold
+    assert flagged <= 3, f"{flagged} of {rows} healthy rows flagged"
 
 
 def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_candidates():
