@@ -212,9 +212,11 @@ class Calibration:
         tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
         log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
         floor = config.calibrated_spike_floor
-        bound = [gaussian_bound(math.sqrt(v), alpha) for v in self._variance]  # for candidate-sparse buckets
-        spike = [fixed_spike if not w else max(q if n >= MIN_SPIKE_CANDIDATES else min(b, fixed_spike), floor)
-                 for q, w, n, b in zip(quantile, warm, candidates, bound, strict=True)]
+        spike = []
+        for q, w, n, v in zip(quantile, warm, candidates, self._variance, strict=True):
+            # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
+            read = q if n >= MIN_SPIKE_CANDIDATES else min(gaussian_bound(math.sqrt(v), alpha), fixed_spike)
+            spike.append(max(read, floor) if w else fixed_spike)
         centre = [c if w else 0.0 for c, w in zip(self._centre, warm, strict=True)]
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
                      for v, w in zip(self._variance, warm, strict=True)]

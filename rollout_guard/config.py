@@ -87,12 +87,12 @@ class GuardConfig:
     """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold is the
     larger of this and the run's extrapolated healthy quantile (with fewer than 50 spike candidates,
     :data:`rollout_guard.calibration.MIN_SPIKE_CANDIDATES`: the Gaussian bound of its tokens' spread, capped at
-    ``spike_excess``); before, ``spike_excess`` applies. Lower than ``spike_excess`` so that a 3-nat
-    spike still fires when the token's own noise or a processed-logprob offset takes up to 1 nat off it; measured on
-    the fidelity benchmark (300 faults per condition, both candidate cuts at ln 0.2 then): floor 2.0 caught 99.3–100 % of single spikes outside the
-    top-k=5 condition (the 3.0 floor: 96–98 %) and its false ``directional_spike`` firings stayed ≤ 5 per condition
-    (≤ 0.06 %); 2.5 caught no more and lost late-onset recall; 1.5 fired on top-k=20 rows whose renormalisation
-    offset reaches 2.2 nats. Default 2.0."""
+    ``spike_excess``); before, ``spike_excess`` applies. Lower than ``spike_excess`` so that a 3-nat spike still
+    fires when the token's own noise or a processed-logprob offset takes up to 1 nat off it; measured on the
+    fidelity benchmark (300 faults per condition, both candidate cuts at ln 0.2 then): floor 2.0 caught 99.3–100 %
+    of single spikes outside the top-k=5 condition (the 3.0 floor: 96–98 %) and its false ``directional_spike``
+    firings stayed ≤ 5 per condition (≤ 0.06 %); 2.5 caught no more and lost late-onset recall; 1.5 fired on
+    top-k=20 rows whose renormalisation offset reaches 2.2 nats. Default 2.0."""
 
     spike_min_engine_logprob: float = math.log(0.05)
     """nats. A token the engine gave at least this logprob is a ``directional_spike`` candidate (either direction).

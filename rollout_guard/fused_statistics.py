@@ -75,7 +75,8 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
     calibration update): the per-bucket thresholds (centre, allowance, spike; 12), the config's token
     thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut (1), the
-    |Δ| and |x| histogram edges as the reference compares them (float32). ``thresholds``: tensors or the calibration's lists of floats."""
+    |Δ| and |x| histogram edges as the reference compares them (float32). ``thresholds``: tensors or the
+    calibration's lists of floats."""
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
                float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
