@@ -44,25 +44,25 @@ def guard_rows(
     aggregates_at = kept_at + 1
     # the parameter table (rollout_guard.fused_statistics.kernel_parameters)
     thresholds_ptr = parameters_ptr
-    confident_logprob = tl.load(parameters_ptr + 12)
-    doubtful_logprob = tl.load(parameters_ptr + 13)
-    divergence_delta = tl.load(parameters_ptr + 14)
-    spike_min_engine_logprob = tl.load(parameters_ptr + 15)
-    edge0 = tl.load(parameters_ptr + 16)
-    edge1 = tl.load(parameters_ptr + 17)
-    edge2 = tl.load(parameters_ptr + 18)
-    clip_low = tl.load(parameters_ptr + 19)
-    clip_high = tl.load(parameters_ptr + 20)
-    k3_cap = tl.load(parameters_ptr + 21)
-    min_nonfinite_engine = tl.load(parameters_ptr + 22)
-    min_nonfinite_trainer = tl.load(parameters_ptr + 23)
-    spike_delta = tl.load(parameters_ptr + 24)
-    mean_delta = tl.load(parameters_ptr + 25)
-    min_confident_wrong = tl.load(parameters_ptr + 26)
-    drift_threshold = tl.load(parameters_ptr + 27)
-    spike_min_trainer_logprob = tl.load(parameters_ptr + 28)
-    delta_edges_ptr = parameters_ptr + 29
-    excess_edges_ptr = parameters_ptr + 29 + NUM_DELTA
+    confident_logprob = tl.load(parameters_ptr + 16)
+    doubtful_logprob = tl.load(parameters_ptr + 17)
+    divergence_delta = tl.load(parameters_ptr + 18)
+    spike_min_engine_logprob = tl.load(parameters_ptr + 19)
+    edge0 = tl.load(parameters_ptr + 20)
+    edge1 = tl.load(parameters_ptr + 21)
+    edge2 = tl.load(parameters_ptr + 22)
+    clip_low = tl.load(parameters_ptr + 23)
+    clip_high = tl.load(parameters_ptr + 24)
+    k3_cap = tl.load(parameters_ptr + 25)
+    min_nonfinite_engine = tl.load(parameters_ptr + 26)
+    min_nonfinite_trainer = tl.load(parameters_ptr + 27)
+    spike_delta = tl.load(parameters_ptr + 28)
+    mean_delta = tl.load(parameters_ptr + 29)
+    min_confident_wrong = tl.load(parameters_ptr + 30)
+    drift_threshold = tl.load(parameters_ptr + 31)
+    spike_min_trainer_logprob = tl.load(parameters_ptr + 32)
+    delta_edges_ptr = parameters_ptr + 33
+    excess_edges_ptr = parameters_ptr + 33 + NUM_DELTA
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -85,14 +85,13 @@ def guard_rows(
     max_engine = tl.zeros([], dtype=tl.float32) - inf
     max_trainer = tl.zeros([], dtype=tl.float32) - inf
     margin = tl.zeros([], dtype=tl.float32) - inf
-    likely_count = tl.zeros([], dtype=tl.int32)
     running = tl.zeros([], dtype=tl.float32)  # the CUSUM's running sum so far
     low = tl.zeros([], dtype=tl.float32) + inf  # its running minimum
     low_at = tl.zeros([], dtype=tl.int32)  # and where (the last position that reached it)
     best_rise = tl.zeros([], dtype=tl.float32) - 1.0
     best_start = tl.zeros([], dtype=tl.int32)
     delta_counts = tl.zeros([128], dtype=tl.int32)
-    excess_counts = tl.zeros([256], dtype=tl.int32)
+    excess_counts = tl.zeros([512], dtype=tl.int32)  # [candidates | other tokens] × bucket × 64 bins
     bucket_tokens = tl.zeros([4], dtype=tl.float32)
     bucket_sum = tl.zeros([4], dtype=tl.float32)
     bucket_square = tl.zeros([4], dtype=tl.float32)
@@ -135,10 +134,11 @@ def guard_rows(
         centre = tl.load(thresholds_ptr + bucket)
         allowance = tl.load(thresholds_ptr + 4 + bucket)
         spike = tl.load(thresholds_ptr + 8 + bucket)
+        unlikely_spike = tl.load(thresholds_ptr + 12 + bucket)
         excess = tl.where(both, (engine - trainer) - centre, 0.0)
         likely = both & ((engine >= spike_min_engine_logprob) | (trainer >= spike_min_trainer_logprob))
-        margin = tl.maximum(margin, tl.max(tl.where(likely, tl.abs(excess) - spike, -inf), axis=0))
-        likely_count += tl.sum(likely.to(tl.int32), axis=0)
+        threshold = tl.where(likely, spike, unlikely_spike)
+        margin = tl.maximum(margin, tl.max(tl.where(both, tl.abs(excess) - threshold, -inf), axis=0))
         clipped = tl.minimum(tl.maximum(excess, clip_low), clip_high)
 
         # CUSUM drawup, carried across blocks: C_t, min(0, min_{j≤t} C_j) and where that minimum was
@@ -162,7 +162,7 @@ def guard_rows(
         low = tl.sum(tl.where(offsets == last, low_here, 0.0), axis=0)
         low_at = tl.sum(tl.where(offsets == last, low_at_here, 0), axis=0)
 
-        # histograms: |Δ| of compared tokens; |x| of spike candidates per engine bucket
+        # histograms: |Δ| of compared tokens; |x| of spike candidates, and of the other tokens, per engine bucket
         # |Δ| bin = (edges ≤ |Δ|) − 1 over 0, 1e-6 … 100 (8 per decade): a guess from the logarithm, then one
         # step either way against the exact float32 edges (the guess is off by at most one)
         guess = tl.floor((tl.log(tl.maximum(abs_delta, 1e-30)) * 0.4342944819032518 + 6.0) * 8.0).to(tl.int32) + 1
@@ -179,9 +179,9 @@ def guard_rows(
         excess_bin = tl.where(magnitude < tl.load(excess_edges_ptr + excess_bin), excess_bin - 1, excess_bin)
         above = tl.load(excess_edges_ptr + tl.minimum(excess_bin + 1, NUM_EXCESS - 1))
         excess_bin = tl.where((excess_bin + 1 < NUM_EXCESS) & (magnitude >= above), excess_bin + 1, excess_bin)
-        candidate = both & likely
+        slot = tl.where(likely, 0, 256) + bucket * 64 + excess_bin
         if HISTOGRAMS:
-            excess_counts += tl.histogram(tl.where(candidate & (excess_bin >= 0), bucket * 64 + excess_bin, 255), 256)
+            excess_counts += tl.histogram(tl.where(both & (excess_bin >= 0), slot, 511), 512)
         in_bucket = (bucket[:, None] == buckets4[None, :]) & both[:, None]
         bucket_tokens += tl.sum(in_bucket.to(tl.float32), axis=0)
         bucket_sum += tl.sum(tl.where(in_bucket, clipped[:, None], 0.0), axis=0)
@@ -199,7 +199,7 @@ def guard_rows(
     trainer_max = tl.where(trainer_count > 0, max_trainer, nan)
     trainer_mean = tl.where(trainer_count > 0, sum_trainer / tl.maximum(trainer_count, 1).to(tl.float32), nan)
     first_divergent = tl.where(first_divergent < 2147483647, first_divergent, -1)
-    spike_margin = tl.where(likely_count > 0, margin, nan)
+    spike_margin = tl.where(margin > -inf, margin, nan)  # no token that can fire
     drift = tl.where(has_compared, tl.maximum(best_rise, 0.0), nan)
     drift_start = tl.where(has_compared, best_start, -1)
     if HAS_INJECTED:
@@ -283,7 +283,7 @@ def guard_rows(
         tl.atomic_add(calibration + 1, bucket_sum.to(tl.float64), sem="relaxed")
         tl.atomic_add(calibration + 2, bucket_square.to(tl.float64), sem="relaxed")
         tl.atomic_add(calibration + 3, bucket_candidates.to(tl.float64), sem="relaxed")
-        bins256 = tl.arange(0, 256)
-        tl.atomic_add(out_ptr + calibration_at + (bins256 // 64) * CAL_WIDTH + 4 + bins256 % 64,
-                      excess_counts.to(tl.float64), mask=bins256 % 64 < NUM_EXCESS, sem="relaxed")
+        bins512 = tl.arange(0, 512)  # slot 511 (bin 63 of the last bucket's other tokens) takes what is not counted
+        tl.atomic_add(out_ptr + calibration_at + ((bins512 % 256) // 64) * CAL_WIDTH + 4 + (bins512 // 256) * NUM_EXCESS
+                      + bins512 % 64, excess_counts.to(tl.float64), mask=bins512 % 64 < NUM_EXCESS, sem="relaxed")
         tl.atomic_add(out_ptr + kept_at, 1.0, sem="relaxed")

@@ -20,7 +20,12 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   the body of the histogram and extrapolated (:func:`extrapolated_quantile`: the tail itself is censored by the
   verdict and holds the corruption the rules missed); never below ``GuardConfig.calibrated_spike_floor``; a
   bucket with fewer than :data:`MIN_SPIKE_CANDIDATES` candidates gets the :func:`gaussian_bound` of its kept
-  tokens' spread instead, never above ``GuardConfig.spike_excess``.
+  tokens' spread instead, never above ``GuardConfig.spike_excess``;
+* the threshold for the other tokens, which neither side found likely (where healthy large-model runs put their
+  10–18-nat tails, and where an engine that returns a garbage low logprob for an unlikely token puts its spike):
+  :func:`unlikely_spike_threshold`, ``UNLIKELY_MARGIN`` times the |x| that only ``UNLIKELY_TAIL_TOKENS`` of the
+  bucket's kept such tokens exceed, when that |x| is within ``GuardConfig.spike_excess`` (a quiet tail), else
+  +inf (not judged: a run with a healthy heavy tail there cannot tell such a spike from its noise).
 
 Until a bucket has ``calibration_warmup_tokens`` kept tokens, the fixed thresholds apply (centre 0, the warm-up
 allowance, ``spike_excess``): a run broken from step 1 is judged by those, and never feeds its corrupted tokens
@@ -35,7 +40,9 @@ from collections.abc import Sequence
 import torch
 
 from rollout_guard.config import GuardConfig
-from rollout_guard.statistics import CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, Thresholds, to_device
+from rollout_guard.statistics import (
+    CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM, Thresholds, to_device,
+)
 
 
 def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> float:
@@ -144,6 +151,58 @@ samples the rules missed: calibrating on them raised the threshold and missed mo
 benchmark). At 50, :func:`extrapolated_quantile` reads its upper anchor on 5 tokens."""
 
 
+UNLIKELY_TAIL_TOKENS = 5.0
+"""(decayed) kept tokens no side found likely that may lie above the |x| :func:`unlikely_spike_threshold` reads:
+enough that one corrupted token the rules missed does not set it, few enough that the reading sits in the tail."""
+
+UNLIKELY_MIN_TOKENS = 100_000.0
+"""(decayed) kept tokens no side found likely that a bucket needs before they are judged. The reading must have
+had the chance to see the healthy tail: below it, a tail of one token in 10,000 (the hybrid noise model's) shows
+too few tokens, the reading looks quiet, and the tail's tokens are flagged as they come (in a unit test with
+2,000 such tokens at warm-up: 25 of 1,920 healthy rows). A tail rarer than ~5 in this many tokens still reads as
+quiet; its tokens above the threshold are then flagged (at most ~5 · u / 100,000 of rows with u such tokens per
+row). About 7 steps of the fidelity benchmark's 256 rollouts; the 0.95 decay holds up to 20 steps' worth."""
+
+UNLIKELY_MARGIN = 1.5
+"""How far above that reading the threshold sits (a factor): the reading is near the largest healthy |x| of the
+calibration window, and a token 1.5 times as far out has not been seen in it."""
+
+
+def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: float, floor: float) -> float:
+    """The spike threshold for tokens neither side found likely (nats; +inf: not judged):
+
+    .. math:: t = \\begin{cases} \\max(\\textit{floor},\\ m\\, q) & q \\le \\textit{cap} \\\\ +\\infty & \\text{else}
+              \\end{cases}, \\qquad q = \\text{spike\\_quantile}(h,\\ n,\\ k/n)
+
+    with ``h`` the histogram of those tokens' |x| over :data:`EXCESS_EDGES`, ``n`` their count, ``k`` =
+    :data:`UNLIKELY_TAIL_TOKENS` and ``m`` = :data:`UNLIKELY_MARGIN`. Not a budget quantile: the healthy tail there
+    can be far heavier than exponential (the published hybrid 7B run reaches 18 nats every step), so reading it in
+    the body and extrapolating put 2 % of clean rows over it on the fidelity benchmark, while the kept tokens'
+    largest values show it directly; and reading it near the threshold in use is safe because the threshold sits
+    ``m`` times above it (tokens above the threshold are censored, those just below it are not). A quiet tail
+    (q within ``cap``) is judged; a heavy one is not: there a garbage low logprob cannot be told from noise.
+
+    Args:
+        histogram: (NUM_EXCESS_BINS,) counts.
+        tokens: the bucket's tokens no side found likely (at least :data:`UNLIKELY_MIN_TOKENS`, else +inf).
+        cap: the largest reading that still counts as a quiet tail (nats; ``GuardConfig.spike_excess``).
+        floor: the lowest threshold (nats; ``GuardConfig.calibrated_spike_floor``).
+
+    >>> h = [0.0] * NUM_EXCESS_BINS; h[8] = 200000.0; h[10] = 4.0  # tokens at 1 nat and 4 at ~1.4 nats: quiet
+    >>> unlikely_spike_threshold(h, 200004.0, cap=4.0, floor=2.0)
+    2.0
+    >>> h[18] = 6.0  # 6 tokens at ~5.7 nats: a heavy tail
+    >>> unlikely_spike_threshold(h, 200010.0, cap=4.0, floor=2.0)
+    inf
+    >>> unlikely_spike_threshold(h[:10] + [0.0] * (NUM_EXCESS_BINS - 10), 50000.0, cap=4.0, floor=2.0)  # too few
+    inf
+    """
+    if tokens < UNLIKELY_MIN_TOKENS:
+        return math.inf
+    quiet = spike_quantile(histogram, tokens, UNLIKELY_TAIL_TOKENS / tokens)
+    return max(floor, UNLIKELY_MARGIN * quiet) if quiet <= cap else math.inf
+
+
 class Calibration:
     """Decayed per-bucket sums of kept tokens: count, Σ clip(x), histogram of x; and the centres in use.
 
@@ -161,7 +220,8 @@ class Calibration:
 
     @property
     def sums(self) -> torch.Tensor:
-        """(K, CALIBRATION_WIDTH) float64: decayed tokens, Σ clip(x), Σ clip(x)², spike candidates, |x| histogram."""
+        """(K, CALIBRATION_WIDTH) float64: decayed tokens, Σ clip(x), Σ clip(x)², spike candidates, their |x|
+        histogram, the other tokens' |x| histogram."""
         return torch.tensor(self._sums, dtype=torch.float64)
 
     @property
@@ -190,16 +250,16 @@ class Calibration:
                                                  for values in self.threshold_values()))
         return self._thresholds[key]
 
-    def threshold_values(self) -> tuple[list[float], list[float], list[float]]:
-        """The same thresholds as Python floats (centre, allowance, spike per bucket; computed once per update;
+    def threshold_values(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """The same thresholds as Python floats (centre, allowance, spike, unlikely spike per bucket; computed once per update;
         the same tuple object until the next update)."""
         if self._values is None:
             self._values = self._compute_thresholds()
         return self._values
 
-    def _compute_thresholds(self) -> tuple[list[float], list[float], list[float]]:
+    def _compute_thresholds(self) -> tuple[list[float], list[float], list[float], list[float]]:
         config = self.config
-        fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess
+        fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess, inf
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
         warm = self.warm_flags()
         if not any(warm):
@@ -207,7 +267,7 @@ class Calibration:
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
-        quantile = [extrapolated_quantile(bucket[4:], bucket[3], alpha) for bucket in self._sums]
+        quantile = [extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha) for bucket in self._sums]
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
         log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
@@ -220,7 +280,10 @@ class Calibration:
         centre = [c if w else 0.0 for c, w in zip(self._centre, warm, strict=True)]
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
                      for v, w in zip(self._variance, warm, strict=True)]
-        return centre, allowance, spike
+        cap = config.spike_excess if config.spike_excess is not None else math.inf
+        unlikely = [unlikely_spike_threshold(bucket[UNLIKELY_HISTOGRAM:], bucket[0] - bucket[3], cap, floor) if w
+                    else math.inf for bucket, w in zip(self._sums, warm, strict=True)]
+        return centre, allowance, spike, unlikely
 
     def update(self, contribution: torch.Tensor, kept_rows: float) -> None:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor)."""
@@ -248,7 +311,9 @@ class Calibration:
 
     def load_state_dict(self, state: dict) -> None:
         self._thresholds, self._values = {}, None
-        self._sums = [[float(value) for value in bucket] for bucket in state["sums"]]
+        # a checkpoint from before the histogram of unlikely tokens: that histogram starts empty (not judged)
+        self._sums = [[float(value) for value in bucket] + [0.0] * (CALIBRATION_WIDTH - len(bucket))
+                      for bucket in state["sums"]]
         self._centre = [float(value) for value in state["centre"]]
         self._variance = [float(value) for value in state["variance"]]
         self.rows = float(state["rows"])

@@ -76,8 +76,10 @@ class GuardConfig:
     ``spike_min_trainer_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above its engine bucket's
     threshold: this value until the bucket is calibrated, then the run's extrapolated ``1 − α`` quantile of healthy
     ``|x|`` (α from ``false_alarm_budget``; see :mod:`rollout_guard.calibration`), never below
-    ``calibrated_spike_floor``. Catches 1–3 isolated spikes (the scan-kernel overflow of vLLM PR #35275) in either
-    direction. Measured on the fidelity benchmark (1,000 faults per condition): with 3.0, the hybrid heavy-tail
+    ``calibrated_spike_floor``. The other tokens, which neither side found likely, are judged too once calibrated,
+    against a threshold of their own that is +inf while their healthy tail is heavy
+    (:func:`rollout_guard.calibration.unlikely_spike_threshold`). Catches 1–3 isolated spikes (the scan-kernel
+    overflow of vLLM PR #35275) in either direction. Measured on the fidelity benchmark (1,000 faults per condition): with 3.0, the hybrid heavy-tail
     noise put 4–11 clean samples per condition (up to 0.14 %) over it in the first, uncalibrated steps (an engine
     logprob of −4…−6 for a token the trainer gives ≥ 20 %), with 4.0 none; recall of isolated spikes fell by
     0–1 point. Above the processed-logprob offset of an uncalibrated top-k=5 high-entropy policy (≈ 1.5 nats).
@@ -112,7 +114,14 @@ class GuardConfig:
     direction). Higher than the engine's cut because the hybrid heavy-tail noise model lifts the trainer's logprob
     of tokens the engine put at −5…−10 nats to −3…−2 (measured: with ln 0.05 here, 4–11 clean samples per condition
     went over the threshold); at ln 0.2 that noise reaches it a few times per 10,000 samples, which the calibrated
-    threshold of the bucket below −3 nats covers. Default ln 0.2 ≈ −1.61."""
+    threshold of the bucket below −3 nats covers. Tokens under both cuts are judged against their own threshold
+    (:func:`rollout_guard.calibration.unlikely_spike_threshold`: 1.5 × the |x| only 5 kept such tokens exceed, when
+    that is within ``spike_excess``, else not judged; only once the bucket holds 100,000 of them): measured on the
+    fidelity benchmark (1,000 faults per condition), isolated spikes 95.3 → 97.7 % pooled (100 % in five of the 18
+    real-noise conditions, 95.8–99.6 % in the others, whose 512–1,664 clean rollouts leave most steps before the
+    bucket holds 100,000 such tokens; top-k=5 87.8–90.9 → 98.2–99.8 %), none gained under the heavy-tail noise
+    models (a garbage low logprob there is inside the healthy tail), false quarantines unchanged (70 of 91,776
+    clean samples). Default ln 0.2 ≈ −1.61."""
 
     drift_threshold: float | None = 6.0
     """nats. Rule ``drift``: the CUSUM of ``clip(x, −1, 4) − allowance`` over the sample's tokens exceeds this.

@@ -73,7 +73,7 @@ def _threshold(value: float | int | None) -> float:
 def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[float], ...],
                       device: torch.device | str) -> torch.Tensor:
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
-    calibration update): the per-bucket thresholds (centre, allowance, spike; 12), the config's token
+    calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike; 16), the config's token
     thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut (1), the
     |Δ| and |x| histogram edges as the reference compares them (float32). ``thresholds``: tensors or the
     calibration's lists of floats."""
@@ -83,7 +83,7 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
                _threshold(config.drift_threshold), float(config.spike_min_trainer_logprob)]
-    assert len(values) == 29
+    assert len(values) == 33
     return to_device(torch.tensor(values + _EDGE_VALUES, dtype=torch.float32), device)
 
 

@@ -262,11 +262,13 @@ class RolloutGuard:
 
     def _calibration_metrics(self) -> dict[str, float]:
         """The thresholds the next step will use, per engine bucket (nats)."""
-        centre, _, spike = self.calibration.threshold_values()
+        centre, _, spike, unlikely = self.calibration.threshold_values()
         metrics = {"calibrated_buckets": float(sum(self.calibration.warm_flags()))}
         for bucket in range(NUM_ENGINE_BUCKETS):
             metrics[f"calibration/centre_b{bucket}"] = centre[bucket]
             metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
+        # the other buckets have (almost) no such tokens; NaN while they are not judged (+inf), like a metric with no data
+        metrics["calibration/unlikely_spike_b0"] = unlikely[0] if math.isfinite(unlikely[0]) else math.nan
         return metrics
 
     def _update_totals(self, report: StepReport) -> None:

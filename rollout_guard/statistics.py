@@ -32,7 +32,7 @@ SAMPLE_COLUMNS = (
     "nonfinite_engine_tokens",  # tokens whose engine logprob is NaN/±inf
     "nonfinite_trainer_tokens",  # tokens whose trainer logprob is NaN/±inf
     "injected",  # 1/0 ground truth from a fault injector, NaN without one
-    "spike_margin",  # nats: max over spike candidates of (|x| − the bucket's spike threshold); > 0 fires
+    "spike_margin",  # nats: max over tokens of (|x| − the token's spike threshold); > 0 fires, NaN if none can
     "drift_cusum",  # nats: max over the sequence of the CUSUM of (clip(x) − allowance)
     "drift_start",  # index in the completion where that CUSUM run starts, −1 without a compared token
 )
@@ -50,7 +50,9 @@ NUM_ENGINE_BUCKETS = len(ENGINE_BUCKET_EDGES) + 1
 # the last bin is [64, inf). Values below 0.25 count only in the bucket's token count.
 EXCESS_EDGES = tuple(2.0 ** (k / 4) for k in range(-8, 25))
 NUM_EXCESS_BINS = len(EXCESS_EDGES)
-CALIBRATION_WIDTH = 4 + NUM_EXCESS_BINS  # per bucket: tokens, Σ clip(x), Σ clip(x)², spike candidates, their |x| histogram
+# per bucket: tokens, Σ clip(x), Σ clip(x)², spike candidates, their |x| histogram, the other tokens' |x| histogram
+CALIBRATION_WIDTH = 4 + 2 * NUM_EXCESS_BINS
+UNLIKELY_HISTOGRAM = 4 + NUM_EXCESS_BINS  # where the histogram of the tokens no side found likely starts
 EXCESS_CLIP = (-2.0, 4.0)  # nats: one token moves the CUSUM by at most this much (before the allowance)
 
 _K3_LOG_RATIO_CAP = 30.0  # exp(30) ≈ 1e13 stays finite in float32; larger ratios add nothing to a verdict
@@ -125,18 +127,22 @@ def cusum_drawup(increments: torch.Tensor, valid: torch.Tensor) -> tuple[torch.T
 
 class Thresholds(NamedTuple):
     """Per engine-logprob bucket (NUM_ENGINE_BUCKETS,) tensors the detector statistics need: the centre of
-    healthy ``d`` (nats), the CUSUM allowance (nats per token) and the spike threshold on ``x`` (nats)."""
+    healthy ``d`` (nats), the CUSUM allowance (nats per token), the spike threshold on ``|x|`` of spike candidates
+    (nats) and the one on ``|x|`` of the other tokens, which neither side found likely (nats; +inf: not judged)."""
 
     centre: torch.Tensor
     allowance: torch.Tensor
     spike: torch.Tensor
+    unlikely_spike: torch.Tensor
 
     @classmethod
     def fixed(cls, config: GuardConfig, device: torch.device | str = "cpu") -> Thresholds:
-        """Before calibration: centre 0, the warm-up allowance, the uncalibrated spike threshold ``spike_excess``."""
+        """Before calibration: centre 0, the warm-up allowance, the uncalibrated spike threshold ``spike_excess``;
+        tokens no side found likely are not judged (that is where healthy large-model runs put their 10–18-nat
+        tails)."""
         full = functools.partial(torch.full, (NUM_ENGINE_BUCKETS,), dtype=torch.float32, device=device)
         spike = config.spike_excess if config.spike_excess is not None else math.inf
-        return cls(full(0.0), full(config.warmup_drift_allowance), full(spike))
+        return cls(full(0.0), full(config.warmup_drift_allowance), full(spike), full(math.inf))
 
 
 def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
@@ -155,7 +161,8 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
     """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, the |Δ| histogram of the compared tokens,
     (NUM_DELTA_BINS,) int64 counts (exact at any size), and each sample's calibration contribution,
     (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), spike candidates and their |x|
-    histogram per bucket), from one pass over the token tensors; all stay on the evidence's device.
+    histogram per bucket, and the other tokens' |x| histogram), from one pass over the token tensors; all stay on
+    the evidence's device.
     ``thresholds``: the calibrated detector thresholds (default: :meth:`Thresholds.fixed`)."""
     evidence = _at_least_one_column(evidence)
     thresholds = thresholds if thresholds is not None else Thresholds.fixed(config, evidence.device)
@@ -182,10 +189,11 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
 
     # direction-aware detector: x = d − centre of the token's engine bucket
     bucket = engine_bucket(torch.where(engine_ok, engine, torch.zeros_like(engine)))
-    centre, allowance, spike = (t.to(device=valid.device, dtype=torch.float32)[bucket] for t in thresholds)
+    centre, allowance, spike, unlikely_spike = (t.to(device=valid.device, dtype=torch.float32)[bucket] for t in thresholds)
     excess = torch.where(both, (engine - trainer) - centre, torch.zeros_like(engine))
     likely = both & ((engine >= config.spike_min_engine_logprob) | (trainer >= config.spike_min_trainer_logprob))
-    spike_margin = _masked_max(excess.abs() - spike, likely)
+    over = _masked_max(excess.abs() - torch.where(likely, spike, unlikely_spike), both)
+    spike_margin = torch.where(over == -math.inf, nan_row, over)  # no token that can fire (all thresholds +inf)
     clipped = excess.clamp(*EXCESS_CLIP)
     drift, drift_start = cusum_drawup(clipped - allowance, both)
     contribution = calibration_contribution(bucket, excess, clipped, both, likely)
@@ -218,15 +226,19 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
 
 def calibration_contribution(bucket: torch.Tensor, excess: torch.Tensor, clipped: torch.Tensor,
                              compared: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
-    """Per sample and engine bucket: compared tokens, Σ clip(x), Σ clip(x)², spike-candidate tokens and the
-    histogram of their |x| over :data:`EXCESS_EDGES`; (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32, by
-    scatter (no host sync).
+    """Per sample and engine bucket: compared tokens, Σ clip(x), Σ clip(x)², spike-candidate tokens, the
+    histogram of their |x| over :data:`EXCESS_EDGES` and that of the other compared tokens' |x| (from
+    :data:`UNLIKELY_HISTOGRAM`); (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32, by scatter (no host sync).
 
     >>> c = calibration_contribution(torch.tensor([[3, 3, 0]]), torch.tensor([[0.1, -1.0, -2.0]]),
     ...                              torch.tensor([[0.1, -1.0, -1.0]]), torch.tensor([[True, True, False]]),
     ...                              torch.tensor([[True, True, False]]))
     >>> [round(v, 4) for v in c[0, 3, :4].tolist()], int(c[0, 3, 4:].sum()), float(c[0, 0].sum())
     ([2.0, -0.9, 1.01, 2.0], 1, 0.0)
+    >>> c = calibration_contribution(torch.tensor([[0]]), torch.tensor([[-9.0]]), torch.tensor([[-2.0]]),
+    ...                              torch.tensor([[True]]), torch.tensor([[False]]))  # a token no side liked
+    >>> float(c[0, 0, 3]), int(c[0, 0, 4:UNLIKELY_HISTOGRAM].sum()), int(c[0, 0, UNLIKELY_HISTOGRAM:].sum())
+    (0.0, 0, 1)
     """
     batch, width = bucket.shape
     weight = compared.float()
@@ -240,7 +252,10 @@ def calibration_contribution(bucket: torch.Tensor, excess: torch.Tensor, clipped
     out.scatter_add_(0, (base + 3).flatten(), candidates.flatten())
     edges = _edges_on("excess", excess.dtype, str(excess.device))
     index = torch.bucketize(excess.abs().contiguous(), edges, right=True) - 1  # −1 below the first edge
-    out.scatter_add_(0, (base + 4 + index.clamp(min=0)).flatten(), (candidates * (index >= 0).float()).flatten())
+    binned = (index >= 0).float()
+    out.scatter_add_(0, (base + 4 + index.clamp(min=0)).flatten(), (candidates * binned).flatten())
+    others = (compared & ~candidate).float()
+    out.scatter_add_(0, (base + UNLIKELY_HISTOGRAM + index.clamp(min=0)).flatten(), (others * binned).flatten())
     return out.view(batch, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
 
 

@@ -184,7 +184,8 @@ def test_a_noisy_bucket_gets_a_larger_drift_allowance():
     allowance = guard.calibration.thresholds().allowance
     assert float(allowance[1]) > 0.7 and float(allowance[3]) == pytest.approx(2.0)  # bucket 3 never warmed up
     assert not guard.inspect(noisy(), step=4).suspect.any()
-    fixed = Thresholds(torch.zeros(NUM_ENGINE_BUCKETS), torch.full((NUM_ENGINE_BUCKETS,), 0.5), torch.full((NUM_ENGINE_BUCKETS,), 99.0))
+    fixed = Thresholds(torch.zeros(NUM_ENGINE_BUCKETS), torch.full((NUM_ENGINE_BUCKETS,), 0.5), torch.full((NUM_ENGINE_BUCKETS,), 99.0),
+                       torch.full((NUM_ENGINE_BUCKETS,), math.inf))
     from rollout_guard.statistics import summarise
     samples = summarise(noisy(), config, fixed)[0]
     assert (samples[:, COLUMN["drift_cusum"]] > config.drift_threshold).float().mean() > 0.5, "control: 0.5 nats is too little here"
@@ -243,3 +244,65 @@ def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_
     assert spike[1] > 8.0  # enough candidates: calibrated on what it saw
     assert spike[2] == config.calibrated_spike_floor  # quiet bucket: the floor
     assert gaussian_bound(1.5, 1e-5) > config.spike_excess and spike[3] == config.spike_excess  # noisy, few: capped
+
+
+def unlikely_tokens_stream(generator: torch.Generator, batch: int, length: int, tail_rate: float) -> RolloutEvidence:
+    """Healthy rows: half the tokens likely for both sides (engine −0.2), half unlikely for both (engine −8,
+    trainer −8 ± 0.1); with ``tail_rate``, an unlikely token gets a healthy ±LogUniform(1, 18)-nat tail (the
+    published hybrid 7B run's, on tokens both sides find unlikely), the trainer kept below −3."""
+    likely = torch.arange(length) % 2 == 0
+    engine = torch.where(likely, -0.2, -8.0).expand(batch, length).clone()
+    trainer = engine - torch.where(likely, 0.05, 0.1) * torch.randn(batch, length, generator=generator)
+    hit = ~likely & (torch.rand(batch, length, generator=generator) < tail_rate)
+    size = torch.exp(torch.rand(batch, length, generator=generator) * math.log(18.0))
+    sign = torch.where(torch.rand(batch, length, generator=generator) < 0.5, -1.0, 1.0)
+    trainer = torch.where(hit, (trainer - sign * size).clamp(max=-3.0), trainer)
+    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=trainer.clamp(max=-0.01))
+
+
+def with_garbage_low_engine_logprob(evidence: RolloutEvidence, row: int, size: float) -> RolloutEvidence:
+    """The scan-kernel overflow's other face on a token both sides find unlikely: the engine's logprob of one of
+    row ``row``'s unlikely tokens is ``size`` nats below the trainer's."""
+    engine = evidence.engine_logprobs.clone()
+    engine[row, 1] = evidence.trainer_logprobs[row, 1] - size
+    return RolloutEvidence(evidence.mask, engine, evidence.trainer_logprobs)
+
+
+@pytest.mark.parametrize(("batch", "tail_rate"), [(256, 0.0), (256, 0.004), (64, 0.004)])
+def test_tokens_no_side_found_likely_are_judged_only_where_their_healthy_tail_is_quiet(batch, tail_rate):
+    """Such tokens are no spike candidates (that is where healthy large-model runs put 10–18-nat tails), so a
+    garbage low engine logprob on one went unjudged: 4–5 % of isolated spikes missed even in quiet conditions of the
+    fidelity benchmark. Calibrated, they get their own threshold: 1.5 × the |x| only 5 kept such tokens exceed when
+    that stays within ``spike_excess`` (quiet: here the floor, 2 nats, so a 3-nat garbage value is caught), else
+    none (a heavy healthy tail: the same value is inside the noise, and no healthy row may be flagged). With 64-row
+    steps the bucket never holds UNLIKELY_MIN_TOKENS (its decayed count tops out at ~41,000): not judged (read
+    from 2,000 tokens instead, the tail looked quiet at warm-up and 25 healthy rows were flagged)."""
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(7)
+    guard = RolloutGuard(config)
+    flagged = 0
+    for step in range(1, 31):  # 256 rows: 8,192 unlikely tokens a step, judged from step ~19 (UNLIKELY_MIN_TOKENS)
+        flagged += int(guard.inspect(unlikely_tokens_stream(generator, batch, 64, tail_rate), step=step).suspect.sum())
+    threshold = float(guard.calibration.thresholds().unlikely_spike[0])
+    assert flagged == 0, f"{flagged} healthy rows flagged"
+    report = guard.inspect(with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, batch, 64, tail_rate), 5, 3.0),
+                           step=31)
+    if tail_rate == 0.0:
+        assert threshold == config.calibrated_spike_floor
+        assert report.suspect.nonzero().flatten().tolist() == [5]
+        assert report.samples[5, COLUMN["spike_margin"]] == pytest.approx(3.0 - 2.0, abs=0.3)
+    else:
+        assert threshold == math.inf
+        assert not report.suspect[5]
+
+
+def test_an_unlikely_token_at_the_threshold_does_not_fire_and_just_above_it_does():
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
+    thresholds = Thresholds(torch.zeros(NUM_ENGINE_BUCKETS), torch.full((NUM_ENGINE_BUCKETS,), 0.5),
+                            torch.full((NUM_ENGINE_BUCKETS,), 4.0), torch.tensor([2.5, math.inf, math.inf, math.inf]))
+    from rollout_guard.statistics import summarise
+    evidence = rows([[-10.49, -0.1], [-10.51, -0.1], [-8.0, -0.1]], [[-7.99, -0.1], [-7.99, -0.1], [-8.0, -0.1]])
+    margin = summarise(evidence, config, thresholds)[0][:, COLUMN["spike_margin"]].tolist()
+    assert margin[0] <= 0 < margin[1]  # the rule fires on margin > 0
+    assert margin[2] == pytest.approx(0.0 - 2.5, abs=1e-5)  # the unlikely token's own threshold, not the 4-nat one

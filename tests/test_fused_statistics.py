@@ -73,7 +73,7 @@ def mixed_batch(generator: torch.Generator, rows: int = 10, length: int = 150) -
 
 
 CALIBRATED = Thresholds(torch.tensor([0.0, 0.1, 0.3, 0.05]), torch.tensor([0.5, 0.6, 1.0, 0.5]),
-                        torch.tensor([3.0, 3.5, 5.0, 4.0]))
+                        torch.tensor([3.0, 3.5, 5.0, 4.0]), torch.tensor([2.5, math.inf, math.inf, math.inf]))
 
 
 def case_mixed_batch(fused, thresholds):
