@@ -88,7 +88,10 @@ def conditions(table, seed: int, step_rows: int) -> list[tuple[str, Rollouts, di
             pooled_clean.append(clean)
         if not pooled_clean:
             continue
-        clean = cat(pooled_clean)
+        # which sampling setting each row of the pooled stream was drawn with: the stream is a run that changes
+        # its settings between steps (``replay`` cuts its steps there and, with announce_sampling, tells the guard)
+        clean = cat([replace(part, setting=torch.full((len(part),), index, dtype=torch.long))
+                     for index, part in enumerate(pooled_clean)])
         real = {name: cat(parts) for name, parts in pooled_faults.items()}
         for profile in (noise.DENSE_7B, noise.HYBRID_7B):
             fitted = noise.fit_heavy_tail(clean, generator, profile, step_rows)
@@ -197,6 +200,9 @@ def main(
     step_rows: int = typer.Option(256, help="rollouts per training step"),
     fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream"),
     mask_truncated: bool = typer.Option(False, help="as TRL's mask_truncated_completions=True: truncated rows' loss mask is zero"),
+    announce_sampling: bool = typer.Option(True, help="tell the guard each step's sampling setting, as the TRL adapter "
+                                           "does (a change restarts its calibration); off: the pooled streams change "
+                                           "setting unannounced, like a policy whose entropy jumps"),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
     out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for results.json, results.md, sweep.png"),
@@ -213,7 +219,7 @@ def main(
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
-                        mask_truncated=mask_truncated, device=device)
+                        mask_truncated=mask_truncated, device=device, announce_sampling=announce_sampling)
         judged_all.append(judged)
         f = figures(judged, config)
         results.append({"condition": name, "params": params, "figures": f})
@@ -226,7 +232,7 @@ def main(
     summary = {
         "preset": preset_name, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
         "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows,
-        "fault_share": fault_share, "mask_truncated": mask_truncated, "seed": seed,
+        "fault_share": fault_share, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling, "seed": seed,
         "goal": {"recall": GOAL_RECALL, "false_rate": GOAL_FALSE_RATE}, "all_pass": all_pass,
         "seconds": round(time.perf_counter() - started, 1), "results": results,
     }

@@ -214,6 +214,7 @@ class Calibration:
         self._sums = [[0.0] * CALIBRATION_WIDTH for _ in range(NUM_ENGINE_BUCKETS)]
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
         self._variance = [0.0] * NUM_ENGINE_BUCKETS  # of clip(x) around the centre
+        self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the centres were last forgotten
         self.rows = 0.0  # decayed count of kept samples
         self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
         self._values: tuple[list[float], list[float], list[float]] | None = None  # until the next update
@@ -238,6 +239,27 @@ class Calibration:
         """Per bucket: enough kept tokens to be trusted (Python bools)."""
         return [bucket[0] >= self.config.calibration_warmup_tokens for bucket in self._sums]
 
+    def centred_flags(self) -> list[bool]:
+        """Per bucket: enough kept tokens since :meth:`forget_centres` for its centre and drift allowance to be
+        trusted (the same as :meth:`warm_flags` until that is called)."""
+        return [fresh >= self.config.calibration_warmup_tokens for fresh in self._fresh]
+
+    def calibrated_flags(self) -> list[bool]:
+        """Per bucket: judged by its calibration, i.e. enough kept tokens and, since its centre was last forgotten,
+        enough new ones (its histograms are of x around the centre: with the centre at 0 they would misread a
+        renormalisation offset as spikes, and the rows they flag would never re-centre it)."""
+        return [w and c for w, c in zip(self.warm_flags(), self.centred_flags(), strict=True)]
+
+    def forget_centres(self) -> None:
+        """Start the centres and the drift allowances over: until a bucket has ``calibration_warmup_tokens`` new
+        kept tokens, its centre is 0 and its allowance the warm-up one, then both are learned from the new tokens
+        alone; meanwhile the bucket's spike thresholds are the uncalibrated ones too, then read again from the
+        histograms, which are kept. For a change the offset of d follows at once (other top-k/top-p settings: the
+        processed logprobs' renormalisation offset moves by ~0.7 nats on some rows)."""
+        self._thresholds, self._values = {}, None
+        self._fresh = [0.0] * NUM_ENGINE_BUCKETS
+        self._centre = [0.0] * NUM_ENGINE_BUCKETS
+
     def warm(self) -> torch.Tensor:
         """(K,) bool: buckets with enough kept tokens to be trusted."""
         return torch.tensor(self.warm_flags())
@@ -261,7 +283,7 @@ class Calibration:
         config = self.config
         fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess, inf
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
-        warm = self.warm_flags()
+        warm = self.calibrated_flags()
         if not any(warm):
             return fixed
         candidates = [bucket[3] for bucket in self._sums]
@@ -291,23 +313,30 @@ class Calibration:
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
         # the step's tokens were centred with the centre then in use (0 before warm-up): move them to absolute d
-        warm = self.warm_flags()
-        self.rows = self.rows * decay + kept_rows
+        centred = self.centred_flags()
+        # a bucket re-learning its centre (after forget_centres) adds nothing to the sums the spike thresholds read:
+        # its x are off by the whole change of offset (top-k=5: ~1.4 nats on every token), and a step of such values
+        # raised the thresholds for the decay window (measured: single spikes 99.5 → 91.6 % in a pooled top-k=5
+        # stream whose sampling setting changed, announced, eight times)
+        relearning = [w and not c for w, c in zip(self.warm_flags(), centred, strict=True)]
+        if not all(relearning):
+            self.rows = self.rows * decay + kept_rows
         for k, (step, sums) in enumerate(zip(rows, self._sums, strict=True)):
             tokens = step[0]
             mean_then = step[1] / max(tokens, 1.0)
             variance_then = max(step[2] / max(tokens, 1.0) - mean_then**2, 0.0)
-            old_tokens = sums[0] * decay
-            self._sums[k] = [value * decay + added for value, added in zip(sums, step, strict=True)]
-            if old_tokens + tokens > 0:
-                weight = tokens / max(self._sums[k][0], 1e-12)
-                new_mean = (self._centre[k] if warm[k] else 0.0) + mean_then
+            if not relearning[k]:
+                self._sums[k] = [value * decay + added for value, added in zip(sums, step, strict=True)]
+            self._fresh[k] = self._fresh[k] * decay + tokens
+            if self._fresh[k] > 0:
+                weight = tokens / max(self._fresh[k], 1e-12)  # 1 on the first step after forget_centres
+                new_mean = (self._centre[k] if centred[k] else 0.0) + mean_then
                 self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
 
     def state_dict(self) -> dict:
         return {"sums": [list(bucket) for bucket in self._sums], "centre": list(self._centre),
-                "variance": list(self._variance), "rows": self.rows}
+                "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh)}
 
     def load_state_dict(self, state: dict) -> None:
         self._thresholds, self._values = {}, None
@@ -317,3 +346,4 @@ class Calibration:
         self._centre = [float(value) for value in state["centre"]]
         self._variance = [float(value) for value in state["variance"]]
         self.rows = float(state["rows"])
+        self._fresh = [float(value) for value in state.get("fresh", [bucket[0] for bucket in self._sums])]

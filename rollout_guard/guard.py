@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -119,18 +119,28 @@ class RolloutGuard:
         self.totals = GuardTotals()
         self.alerts = AlertMonitor(self.config)
         self.calibration = Calibration(self.config)
+        self.sampling: tuple | None = None  # the sampling settings the calibration was learned under
+        self.calibration_resets = 0
         self.last_guard_seconds = 0.0
         self._kernel_parameters: tuple | None = None  # (thresholds, their kernel table on the device)
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
-                check_failed: torch.Tensor | bool = False) -> StepReport:
+                check_failed: torch.Tensor | bool = False, sampling: Sequence[object] | None = None) -> StepReport:
         """Judge one batch. ``evidence`` may instead be the exception raised while collecting it on this rank;
         ``batch_size`` (rows on this rank) lets a failing rank still join the collective with the right shape.
         ``check_failed``: this rank's verdict on a check of the caller's own (a bool, or a 0-dim device tensor so
         that it costs no host sync), carried in the one gather: ``report.check_failed_on`` lists the ranks where it
-        failed, the same on every rank, so that all of them act on it together."""
+        failed, the same on every rank, so that all of them act on it together. ``sampling``: the settings these
+        rollouts were sampled with (e.g. temperature, top_p, top_k; the same on every rank); when they differ from
+        the previous step's, the calibrated centres start over (:meth:`recalibrate`): the processed logprobs' offset
+        depends on them. ``None``: unknown, the calibration carries on."""
         started = time.perf_counter()
+        if sampling is not None:
+            settings = tuple(sampling)
+            if self.sampling is not None and settings != self.sampling:
+                self.recalibrate()
+            self.sampling = settings
         error: BaseException | None = evidence if isinstance(evidence, BaseException) else None
         packet: torch.Tensor | None = None
         if error is None:
@@ -157,6 +167,15 @@ class RolloutGuard:
             return self._judge(step, batch, gathered, error, started)
         except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
             return self._failed_step(step, batch, gathered[:, 0].cpu(), caught, started)
+
+    def recalibrate(self) -> None:
+        """Start the calibrated centres and drift allowances over (:meth:`Calibration.forget_centres`): centre 0
+        and the warm-up allowance until each bucket has ``calibration_warmup_tokens`` new kept tokens, then learned
+        from those alone; the spike thresholds keep learning from their histograms. Called by :meth:`inspect`
+        when the sampling settings change; call it yourself when the offset between engine and trainer changes in
+        a way the guard cannot see (another engine version, a new dtype)."""
+        self.calibration.forget_centres()
+        self.calibration_resets += 1
 
     def _packet(self, evidence: RolloutEvidence) -> torch.Tensor:
         """This process's packet (:mod:`rollout_guard.packet`): the fused kernel where it applies, else the
@@ -263,7 +282,8 @@ class RolloutGuard:
     def _calibration_metrics(self) -> dict[str, float]:
         """The thresholds the next step will use, per engine bucket (nats)."""
         centre, _, spike, unlikely = self.calibration.threshold_values()
-        metrics = {"calibrated_buckets": float(sum(self.calibration.warm_flags()))}
+        metrics = {"calibrated_buckets": float(sum(self.calibration.calibrated_flags())),
+                   "calibration_resets": float(self.calibration_resets)}
         for bucket in range(NUM_ENGINE_BUCKETS):
             metrics[f"calibration/centre_b{bucket}"] = centre[bucket]
             metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
@@ -298,13 +318,16 @@ class RolloutGuard:
 
     def state_dict(self) -> dict:
         return {"config": self.config.to_dict(), "totals": self.totals.to_dict(), "alerts": self.alerts.state_dict(),
-                "calibration": self.calibration.state_dict()}
+                "calibration": self.calibration.state_dict(), "calibration_resets": self.calibration_resets,
+                "sampling": list(self.sampling) if self.sampling is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.totals = GuardTotals.from_dict(state["totals"])
         self.alerts.load_state_dict(state["alerts"])
         if "calibration" in state:
             self.calibration.load_state_dict(state["calibration"])
+        self.calibration_resets = int(state.get("calibration_resets", 0))
+        self.sampling = tuple(state["sampling"]) if state.get("sampling") is not None else None
 
     def summary(self) -> dict[str, float]:
         totals = self.totals

@@ -306,3 +306,37 @@ def test_an_unlikely_token_at_the_threshold_does_not_fire_and_just_above_it_does
     margin = summarise(evidence, config, thresholds)[0][:, COLUMN["spike_margin"]].tolist()
     assert margin[0] <= 0 < margin[1]  # the rule fires on margin > 0
     assert margin[2] == pytest.approx(0.0 - 2.5, abs=1e-5)  # the unlikely token's own threshold, not the 4-nat one
+
+
+def offset_stream(generator: torch.Generator, batch: int, length: int, offset: float) -> RolloutEvidence:
+    """Healthy rows whose engine logprobs sit ``offset`` nats above the trainer's on every token, ±0.3 (top-k
+    renormalisation: −log of the kept mass)."""
+    engine = torch.full((batch, length), -0.8)
+    trainer = engine - offset - 0.3 * torch.rand(batch, length, generator=generator)
+    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_sampling_change_announced_restarts_the_centres_and_flags_no_healthy_row(announced):
+    """Top_p = 1 for 12 steps (offset 0), then top_k: every token 1.2 nats higher for the engine. Calibrated to
+    the first setting, the drift rule fires on most of the second's rows; told of the change (as the TRL adapter
+    does each step), the guard judges the next step with centre 0 and the warm-up allowance and learns the new
+    centre from it (control: unannounced, rows are flagged)."""
+    config = GuardConfig(max_quarantine_share=None, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(11)
+    guard = RolloutGuard(config)
+    for step in range(1, 13):
+        assert not guard.inspect(offset_stream(generator, 64, 64, 0.0), step=step, sampling=("top_k=0",)).suspect.any()
+    flagged = 0
+    for step in range(13, 19):
+        sampling = ("top_k=20",) if announced else ("top_k=0",)
+        flagged += int(guard.inspect(offset_stream(generator, 64, 64, 1.2), step=step, sampling=sampling).suspect.sum())
+    if announced:
+        assert flagged == 0, f"{flagged} healthy rows flagged after an announced change"
+        assert guard.calibration_resets == 1 and guard.sampling == ("top_k=20",)
+        assert float(guard.calibration.thresholds().centre[2]) == pytest.approx(1.35, abs=0.05)
+        restored = RolloutGuard(config)
+        restored.load_state_dict(guard.state_dict())
+        assert restored.sampling == ("top_k=20",) and restored.calibration_resets == 1
+    else:
+        assert flagged > 64, f"control: only {flagged} rows flagged without the announcement"

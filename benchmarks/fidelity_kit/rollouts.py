@@ -26,6 +26,7 @@ class Rollouts:
     truncated: torch.Tensor  # (B,) bool: no EOS, ran to the length limit
     step: torch.Tensor  # (B,) int64: the generation batch each row came from
     condition: str = ""
+    setting: torch.Tensor | None = None  # (B,) int64: which sampling setting of a pooled stream (None: one setting)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -40,7 +41,8 @@ class Rollouts:
         mask = self.mask[index]
         width = max(int(mask.sum(dim=-1).max()) if len(mask) else 1, 1)
         return replace(self, mask=mask[:, :width], engine=self.engine[index][:, :width],
-                       trainer=self.trainer[index][:, :width], truncated=self.truncated[index], step=self.step[index])
+                       trainer=self.trainer[index][:, :width], truncated=self.truncated[index], step=self.step[index],
+                       setting=self.setting[index] if self.setting is not None else None)
 
     def widened(self, width: int) -> Rollouts:
         """The same rows padded to ``width`` columns (never narrower)."""
@@ -59,6 +61,7 @@ def cat(parts: Sequence[Rollouts]) -> Rollouts:
         mask=torch.cat([p.mask for p in parts]), engine=torch.cat([p.engine for p in parts]),
         trainer=torch.cat([p.trainer for p in parts]), truncated=torch.cat([p.truncated for p in parts]),
         step=torch.cat([p.step for p in parts]), condition=parts[0].condition,
+        setting=torch.cat([p.setting for p in parts]) if all(p.setting is not None for p in parts) else None,
     )
 
 

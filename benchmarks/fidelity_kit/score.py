@@ -68,7 +68,7 @@ def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, dev
 
 def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, generator: torch.Generator,
            step_rows: int = 256, fault_share: float = 0.02, mask_truncated: bool = False,
-           make_guard=None, device: str = "cpu") -> Judged:
+           make_guard=None, device: str = "cpu", announce_sampling: bool = True) -> Judged:
     """Feed one noise condition to a fresh guard as a stream of training steps.
 
     Phase 1 streams every clean row once, in data order, ``step_rows`` per step, with ``fault_share`` of each step
@@ -76,6 +76,9 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     Phase 2 judges the remaining faulty rows, a quarter of each step, beside resampled clean rows that fill the
     step and are not counted (false quarantines are counted on unique clean rows only).
     ``mask_truncated``: TRL's ``mask_truncated_completions=True`` zeroes truncated rows' loss mask before the guard.
+    A pooled stream (``clean.setting``) changes sampling setting between steps: phase 1 cuts its steps where the
+    setting changes and, with ``announce_sampling``, passes it to the guard as the TRL adapter does; phase 2 mixes
+    settings and announces none.
     """
     guard = make_guard(config) if make_guard is not None else RolloutGuard(config, device=device)
     judged = Judged()
@@ -103,21 +106,25 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
                 cursors[name] += number
         return parts, labels
 
-    def judge(parts: list[Rollouts], labels: list[str], counted: torch.Tensor, step: int) -> None:
+    def judge(parts: list[Rollouts], labels: list[str], counted: torch.Tensor, step: int, sampling=None) -> None:
         rows = cat(parts)
         injected = torch.tensor([label != "clean" for label in labels])
-        report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step)
+        report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step, sampling=sampling)
         judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1))
 
     step = 0
     clean_step_rows = step_rows - per_step_faults
-    for start in range(0, len(clean), clean_step_rows):
-        index = slice(start, min(start + clean_step_rows, len(clean)))
-        parts, labels = take_faults(per_step_faults)
-        parts = [clean.rows(index), *parts]
-        labels = ["clean"] * (index.stop - index.start) + labels
-        step += 1
-        judge(parts, labels, torch.ones(len(labels), dtype=torch.bool), step)
+    setting = clean.setting if clean.setting is not None else torch.zeros(len(clean), dtype=torch.long)
+    changes = (torch.nonzero(setting[1:] != setting[:-1]).flatten() + 1).tolist()
+    for run_start, run_stop in zip([0, *changes], [*changes, len(clean)], strict=True):  # one setting each
+        for start in range(run_start, run_stop, clean_step_rows):
+            index = slice(start, min(start + clean_step_rows, run_stop))
+            parts, labels = take_faults(per_step_faults)
+            parts = [clean.rows(index), *parts]
+            labels = ["clean"] * (index.stop - index.start) + labels
+            step += 1
+            sampling = (int(setting[run_start]),) if announce_sampling and clean.setting is not None else None
+            judge(parts, labels, torch.ones(len(labels), dtype=torch.bool), step, sampling)
 
     fill = step_rows - step_rows // 4
     while any(cursors[name] < len(faulty[name]) for name in names):

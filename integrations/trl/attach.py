@@ -27,7 +27,7 @@ from rollout_guard.integrations.trl.batch import (
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
 from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
 from rollout_guard.integrations.trl.records import build_records, decode_records
-from rollout_guard.integrations.trl.sampling import processed_logprobs_warning
+from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, sampling_settings
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.selection import worst_suspects
 from rollout_guard.sinks import LocalFilesSink, Sink
@@ -276,7 +276,7 @@ class TrlGuard:
         self.last_evidence = evidence if isinstance(evidence, RolloutEvidence) else None
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
-                                    check_failed=replica_failed)
+                                    check_failed=replica_failed, sampling=sampling_settings(trainer))
         self.last_report = report
         if self._engine_step is not None and not report.skipped:
             report.metrics.update(self._engine_step.metrics)  # this process's engine, next to the mismatch

@@ -17,9 +17,7 @@ _SUPPORT_KEYS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_pena
                  "bad_words", "logit_bias", "allowed_token_ids", "structured_outputs", "guided_decoding")
 
 
-def support_changes(trainer: Any) -> list[str]:
-    """Each sampling setting of this trainer that makes the engine's logprobs differ from the trainer's, with what
-    it does to |Δ| on a clean sample; empty when the engine samples from exactly what the trainer scores."""
+def _setting_reader(trainer: Any):
     args = getattr(trainer, "args", None)
     extra = getattr(args, "generation_kwargs", None) or {}
     extra = extra if isinstance(extra, dict) else {}
@@ -27,6 +25,25 @@ def support_changes(trainer: Any) -> list[str]:
     def setting(name: str, default: Any) -> Any:
         return extra.get(name, getattr(trainer, name, getattr(args, name, default)))
 
+    return setting
+
+
+def sampling_settings(trainer: Any) -> tuple[str, ...]:
+    """What the engine samples with, as ``name=value`` strings (temperature and every support-changing setting):
+    handed to the guard each step so that a change starts its calibration over (the processed logprobs' offset and
+    the healthy noise depend on it). Strings, so that the tuple survives the guard's JSON checkpoint unchanged."""
+    setting = _setting_reader(trainer)
+    names = ("temperature", *_SUPPORT_KEYS, "vllm_structured_outputs_regex")
+    return tuple(f"{name}={setting(name, None)!r}" for name in names)
+
+
+def support_changes(trainer: Any) -> list[str]:
+    """Each sampling setting of this trainer that makes the engine's logprobs differ from the trainer's, with what
+    it does to |Δ| on a clean sample; empty when the engine samples from exactly what the trainer scores."""
+    args = getattr(trainer, "args", None)
+    extra = getattr(args, "generation_kwargs", None) or {}
+    extra = extra if isinstance(extra, dict) else {}
+    setting = _setting_reader(trainer)
     changes = []
     top_p = setting("top_p", 1.0)
     if top_p is not None and top_p < 1.0:

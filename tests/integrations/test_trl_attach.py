@@ -73,6 +73,27 @@ def test_default_sampling_says_nothing(trainer):
     assert support_changes(trainer) == [] and processed_logprobs_warning(trainer) is None
 
 
+def test_the_sampling_settings_handed_to_the_guard_change_when_a_setting_does(trainer):
+    """What ``guard_batch`` passes as ``sampling`` each step (a change restarts the calibrated centres): strings,
+    so that the guard's JSON checkpoint gives back an equal tuple."""
+    import json as json_module
+
+    from rollout_guard.integrations.trl.sampling import sampling_settings
+
+    before = sampling_settings(trainer)
+    assert f"temperature={trainer.args.temperature!r}" in before and all(isinstance(v, str) for v in before)
+    assert tuple(json_module.loads(json_module.dumps(list(before)))) == before
+    owner = trainer if hasattr(trainer, "top_k") else trainer.args  # TRL copies the setting onto the trainer
+    old_top_k = owner.top_k
+    owner.top_k = 20
+    try:
+        after = sampling_settings(trainer)
+    finally:
+        owner.top_k = old_top_k
+    assert after != before and "top_k=20" in after
+    assert sampling_settings(trainer) == before
+
+
 def test_circuit_breaker_can_raise_after_writing_everything(tiny_model_dir, tmp_path):
     """Issue 9 point 12: with on_ceiling="raise", trainer.train() raises once records, metrics and summary are written."""
     from rollout_guard import CircuitBreakerTripped, GuardConfig, read_records
