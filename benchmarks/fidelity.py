@@ -232,7 +232,8 @@ def main(
     summary = {
         "preset": preset_name, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
         "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows,
-        "fault_share": fault_share, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling, "seed": seed,
+        "fault_share": fault_share, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling,
+        "seed": seed,
         "goal": {"recall": GOAL_RECALL, "false_rate": GOAL_FALSE_RATE}, "all_pass": all_pass,
         "seconds": round(time.perf_counter() - started, 1), "results": results,
     }

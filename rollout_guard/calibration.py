@@ -27,9 +27,10 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   bucket's kept such tokens exceed, when that |x| is within ``GuardConfig.spike_excess`` (a quiet tail), else
   +inf (not judged: a run with a healthy heavy tail there cannot tell such a spike from its noise).
 
-Until a bucket has ``calibration_warmup_tokens`` kept tokens, the fixed thresholds apply (centre 0, the warm-up
-allowance, ``spike_excess``): a run broken from step 1 is judged by those, and never feeds its corrupted tokens
-into the calibration as long as the fixed thresholds catch them.
+Until a bucket has ``calibration_warmup_tokens`` kept tokens (and as many new ones after
+:meth:`Calibration.forget_centres`), the fixed thresholds apply (centre 0, the warm-up allowance, ``spike_excess``):
+a run broken from step 1 is judged by those, and never feeds its corrupted tokens into the calibration as long as
+the fixed thresholds catch them.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ class Calibration:
         self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the centres were last forgotten
         self.rows = 0.0  # decayed count of kept samples
         self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
-        self._values: tuple[list[float], list[float], list[float]] | None = None  # until the next update
+        self._values: tuple[list[float], ...] | None = None  # until the next update
 
     @property
     def sums(self) -> torch.Tensor:
@@ -273,8 +274,8 @@ class Calibration:
         return self._thresholds[key]
 
     def threshold_values(self) -> tuple[list[float], list[float], list[float], list[float]]:
-        """The same thresholds as Python floats (centre, allowance, spike, unlikely spike per bucket; computed once per update;
-        the same tuple object until the next update)."""
+        """The same thresholds as Python floats (centre, allowance, spike, unlikely spike per bucket; computed once
+        per update; the same tuple object until the next update)."""
         if self._values is None:
             self._values = self._compute_thresholds()
         return self._values

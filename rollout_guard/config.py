@@ -79,8 +79,9 @@ class GuardConfig:
     ``calibrated_spike_floor``. The other tokens, which neither side found likely, are judged too once calibrated,
     against a threshold of their own that is +inf while their healthy tail is heavy
     (:func:`rollout_guard.calibration.unlikely_spike_threshold`). Catches 1–3 isolated spikes (the scan-kernel
-    overflow of vLLM PR #35275) in either direction. Measured on the fidelity benchmark (1,000 faults per condition): with 3.0, the hybrid heavy-tail
-    noise put 4–11 clean samples per condition (up to 0.14 %) over it in the first, uncalibrated steps (an engine
+    overflow of vLLM PR #35275) in either direction. Measured on the fidelity benchmark (1,000 faults per
+    condition): with 3.0, the hybrid heavy-tail noise put 4–11 clean samples per condition (up to 0.14 %) over it
+    in the first, uncalibrated steps (an engine
     logprob of −4…−6 for a token the trainer gives ≥ 20 %), with 4.0 none; recall of isolated spikes fell by
     0–1 point. Above the processed-logprob offset of an uncalibrated top-k=5 high-entropy policy (≈ 1.5 nats).
     Default 4.0."""

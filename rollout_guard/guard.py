@@ -287,7 +287,7 @@ class RolloutGuard:
         for bucket in range(NUM_ENGINE_BUCKETS):
             metrics[f"calibration/centre_b{bucket}"] = centre[bucket]
             metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
-        # the other buckets have (almost) no such tokens; NaN while they are not judged (+inf), like a metric with no data
+        # the other buckets have (almost) no such tokens; NaN while they are not judged (+inf): a metric with no data
         metrics["calibration/unlikely_spike_b0"] = unlikely[0] if math.isfinite(unlikely[0]) else math.nan
         return metrics
 

@@ -189,7 +189,8 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
 
     # direction-aware detector: x = d − centre of the token's engine bucket
     bucket = engine_bucket(torch.where(engine_ok, engine, torch.zeros_like(engine)))
-    centre, allowance, spike, unlikely_spike = (t.to(device=valid.device, dtype=torch.float32)[bucket] for t in thresholds)
+    centre, allowance, spike, unlikely_spike = (t.to(device=valid.device, dtype=torch.float32)[bucket]
+                                                for t in thresholds)
     excess = torch.where(both, (engine - trainer) - centre, torch.zeros_like(engine))
     likely = both & ((engine >= config.spike_min_engine_logprob) | (trainer >= config.spike_min_trainer_logprob))
     over = _masked_max(excess.abs() - torch.where(likely, spike, unlikely_spike), both)

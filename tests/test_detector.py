@@ -176,7 +176,8 @@ def test_a_noisy_bucket_gets_a_larger_drift_allowance():
     def noisy(batch: int = 32, length: int = 128) -> RolloutEvidence:
         engine = torch.full((batch, length), -2.0)  # one bucket: [−3, −1.5)
         trainer = (engine - 1.5 * torch.randn(batch, length, generator=generator)).clamp(max=-0.01)
-        return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
+        return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=trainer)
 
     guard = RolloutGuard(config)
     for step in range(1, 4):
@@ -184,8 +185,8 @@ def test_a_noisy_bucket_gets_a_larger_drift_allowance():
     allowance = guard.calibration.thresholds().allowance
     assert float(allowance[1]) > 0.7 and float(allowance[3]) == pytest.approx(2.0)  # bucket 3 never warmed up
     assert not guard.inspect(noisy(), step=4).suspect.any()
-    fixed = Thresholds(torch.zeros(NUM_ENGINE_BUCKETS), torch.full((NUM_ENGINE_BUCKETS,), 0.5), torch.full((NUM_ENGINE_BUCKETS,), 99.0),
-                       torch.full((NUM_ENGINE_BUCKETS,), math.inf))
+    full = lambda value: torch.full((NUM_ENGINE_BUCKETS,), value)  # noqa: E731
+    fixed = Thresholds(full(0.0), full(0.5), full(99.0), full(math.inf))
     from rollout_guard.statistics import summarise
     samples = summarise(noisy(), config, fixed)[0]
     assert (samples[:, COLUMN["drift_cusum"]] > config.drift_threshold).float().mean() > 0.5, "control: 0.5 nats is too little here"
@@ -286,8 +287,8 @@ def test_tokens_no_side_found_likely_are_judged_only_where_their_healthy_tail_is
         flagged += int(guard.inspect(unlikely_tokens_stream(generator, batch, 64, tail_rate), step=step).suspect.sum())
     threshold = float(guard.calibration.thresholds().unlikely_spike[0])
     assert flagged == 0, f"{flagged} healthy rows flagged"
-    report = guard.inspect(with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, batch, 64, tail_rate), 5, 3.0),
-                           step=31)
+    garbage = with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, batch, 64, tail_rate), 5, 3.0)
+    report = guard.inspect(garbage, step=31)
     if tail_rate == 0.0:
         assert threshold == config.calibrated_spike_floor
         assert report.suspect.nonzero().flatten().tolist() == [5]
@@ -313,7 +314,8 @@ def offset_stream(generator: torch.Generator, batch: int, length: int, offset: f
     renormalisation: −log of the kept mass)."""
     engine = torch.full((batch, length), -0.8)
     trainer = engine - offset - 0.3 * torch.rand(batch, length, generator=generator)
-    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
+    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=trainer)
 
 
 @pytest.mark.parametrize("announced", [True, False])
