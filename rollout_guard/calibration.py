@@ -318,7 +318,7 @@ class Calibration:
         # a bucket re-learning its centre (after forget_centres) adds nothing to the sums the spike thresholds read:
         # its x are off by the whole change of offset (top-k=5: ~1.4 nats on every token), and a step of such values
         # raised the thresholds for the decay window (measured: single spikes 99.5 → 91.6 % in a pooled top-k=5
-        # stream whose sampling setting changed, announced, eight times)
+        # stream whose sampling setting changed, announced, twenty times)
         relearning = [w and not c for w, c in zip(self.warm_flags(), centred, strict=True)]
         if not all(relearning):
             self.rows = self.rows * decay + kept_rows
