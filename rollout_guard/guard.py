@@ -171,9 +171,9 @@ class RolloutGuard:
     def recalibrate(self) -> None:
         """Start the calibrated centres and drift allowances over (:meth:`Calibration.forget_centres`): centre 0
         and the warm-up allowance until each bucket has ``calibration_warmup_tokens`` new kept tokens, then learned
-        from those alone; the spike thresholds keep learning from their histograms. Called by :meth:`inspect`
-        when the sampling settings change; call it yourself when the offset between engine and trainer changes in
-        a way the guard cannot see (another engine version, a new dtype)."""
+        from those alone; meanwhile the uncalibrated spike thresholds apply and the spike histograms, kept, are not
+        fed. Called by :meth:`inspect` when the sampling settings change; call it yourself when the offset between
+        engine and trainer changes in a way the guard cannot see (another engine version, a new dtype)."""
         self.calibration.forget_centres()
         self.calibration_resets += 1
 
