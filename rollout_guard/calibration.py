@@ -262,8 +262,8 @@ class Calibration:
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
 
     def warm(self) -> torch.Tensor:
-        """(K,) bool: buckets with enough kept tokens to be trusted."""
-        return torch.tensor(self.warm_flags())
+        """(K,) bool: buckets judged by their calibration (:meth:`calibrated_flags`)."""
+        return torch.tensor(self.calibrated_flags())
 
     def thresholds(self, device: torch.device | str = "cpu") -> Thresholds:
         """The thresholds the next step uses, as (K,) float32 tensors on ``device`` (kept until the next update)."""

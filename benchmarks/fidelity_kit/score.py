@@ -117,13 +117,13 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     setting = clean.setting if clean.setting is not None else torch.zeros(len(clean), dtype=torch.long)
     changes = (torch.nonzero(setting[1:] != setting[:-1]).flatten() + 1).tolist()
     for run_start, run_stop in zip([0, *changes], [*changes, len(clean)], strict=True):  # one setting each
+        sampling = (int(setting[run_start]),) if announce_sampling and clean.setting is not None else None
         for start in range(run_start, run_stop, clean_step_rows):
             index = slice(start, min(start + clean_step_rows, run_stop))
             parts, labels = take_faults(per_step_faults)
             parts = [clean.rows(index), *parts]
             labels = ["clean"] * (index.stop - index.start) + labels
             step += 1
-            sampling = (int(setting[run_start]),) if announce_sampling and clean.setting is not None else None
             judge(parts, labels, torch.ones(len(labels), dtype=torch.bool), step, sampling)
 
     fill = step_rows - step_rows // 4

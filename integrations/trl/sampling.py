@@ -17,10 +17,16 @@ _SUPPORT_KEYS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_pena
                  "bad_words", "logit_bias", "allowed_token_ids", "structured_outputs", "guided_decoding")
 
 
-def _setting_reader(trainer: Any):
+def _generation_kwargs(trainer: Any) -> tuple[Any, dict]:
+    """The trainer's args and its ``generation_kwargs`` (an empty dict when unset or not a dict)."""
     args = getattr(trainer, "args", None)
     extra = getattr(args, "generation_kwargs", None) or {}
-    extra = extra if isinstance(extra, dict) else {}
+    return args, extra if isinstance(extra, dict) else {}
+
+
+def _setting_reader(trainer: Any):
+    """``setting(name, default)``: generation_kwargs first, then the trainer's attribute, then its args."""
+    args, extra = _generation_kwargs(trainer)
 
     def setting(name: str, default: Any) -> Any:
         return extra.get(name, getattr(trainer, name, getattr(args, name, default)))
@@ -40,9 +46,7 @@ def sampling_settings(trainer: Any) -> tuple[str, ...]:
 def support_changes(trainer: Any) -> list[str]:
     """Each sampling setting of this trainer that makes the engine's logprobs differ from the trainer's, with what
     it does to |Δ| on a clean sample; empty when the engine samples from exactly what the trainer scores."""
-    args = getattr(trainer, "args", None)
-    extra = getattr(args, "generation_kwargs", None) or {}
-    extra = extra if isinstance(extra, dict) else {}
+    args, extra = _generation_kwargs(trainer)
     setting = _setting_reader(trainer)
     changes = []
     top_p = setting("top_p", 1.0)
