@@ -110,9 +110,9 @@ def compare_packets(evidence: RolloutEvidence, guard: RolloutGuard) -> dict[str,
     from rollout_guard.fused_statistics import fused_packet
     from rollout_guard.packet import AGGREGATES
 
-    thresholds = guard.calibration.thresholds(evidence.device)
-    reference = reference_packet(evidence, guard.config, thresholds)
-    fused = fused_packet(evidence, guard.config, thresholds)
+    thresholds, drift = guard.calibration.thresholds(evidence.device), guard.calibration.drift_threshold_value()
+    reference = reference_packet(evidence, guard.config, thresholds, drift)
+    fused = fused_packet(evidence, guard.config, thresholds, drift_threshold=drift)
     layout = PacketLayout(evidence.batch_size)
     ref, got = reference[layout.samples].view(evidence.batch_size, -1), fused[layout.samples].view(evidence.batch_size, -1)
     exact = [COLUMN[name] for name in ("tokens", "compared_tokens", "confident_wrong_tokens", "first_divergent_token",

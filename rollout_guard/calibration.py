@@ -5,7 +5,7 @@ contributions of the samples it kept (never the suspect ones), summed over all p
 gather, so every rank holds the same state; it is saved and restored with checkpoints. From the state come, per
 bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_EDGES`):
 
-* the centre of ``d = engine − trainer``: the mean of ``clip(d − centre_then, −1, 4)`` over kept tokens, added to
+* the centre of ``d = engine − trainer``: the mean of ``clip(d − centre_then, −2, 4)`` over kept tokens, added to
   the centre in use when they were judged. It absorbs the systematic offset of processed logprobs (top-k/top-p
   renormalisation makes ``d ≈ −log(kept mass) ≥ 0`` on every token) and of a run's dtype;
 * the drift allowance: the larger of ``drift_allowance`` and ``σ² · ln(1000 · L / false_alarm_budget) / (2 h)``,
@@ -26,6 +26,12 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   :func:`unlikely_spike_threshold`, ``UNLIKELY_MARGIN`` times the |x| that only ``UNLIKELY_TAIL_TOKENS`` of the
   bucket's kept such tokens exceed, when that |x| is within ``GuardConfig.spike_excess`` (a quiet tail), else
   +inf (not judged: a run with a healthy heavy tail there cannot tell such a spike from its noise).
+
+And, when the guard is told the sampling settings (:attr:`Calibration.announced`), for the whole sample the drift
+threshold: :func:`drift_threshold`, the extrapolated ``1 − false_alarm_budget / 1000`` quantile of the kept
+samples' drift CUSUM (a CUSUM's excursions have an exponential tail, Siegmund), between
+``GuardConfig.calibrated_drift_floor`` and ``GuardConfig.drift_threshold``, read once :data:`MIN_DRIFT_ROWS` kept
+samples were judged by the same bucket thresholds (the CUSUM's distribution moves when a bucket's do).
 
 Until a bucket has ``calibration_warmup_tokens`` kept tokens (and as many new ones after
 :meth:`Calibration.forget_centres`), the fixed thresholds apply (centre 0, the warm-up allowance, ``spike_excess``):
@@ -204,6 +210,57 @@ def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: flo
     return max(floor, UNLIKELY_MARGIN * quiet) if quiet <= cap else math.inf
 
 
+UNANNOUNCED_SPIKE_FLOOR = 2.0
+"""nats. The calibrated spike floor of a guard that is never told the sampling settings (:attr:`Calibration.
+announced` False): it cannot restart its calibration where they change, and a change it is not told of shifts
+every token's offset at once. Measured on the fidelity benchmark with the pooled streams' changes unannounced
+(1,000 faults per condition): floor 2.0 and the fixed drift threshold, 79 false quarantines of 91,776 clean
+samples (3 conditions over 0.1 %); floor 1.5 184 (5); floor 1.5 with the calibrated drift threshold (floor 3)
+376 (8), 84 of them in the one step after a change in the worst stream. Told the settings, the same streams keep
+22 false quarantines with either (the lower floors catch more: ``GuardConfig.calibrated_spike_floor``)."""
+
+MIN_DRIFT_ROWS = 1000.0
+"""(decayed) kept samples judged by the current bucket thresholds before the drift threshold is read from their
+CUSUM: :func:`extrapolated_quantile` then reads its upper anchor on at least 20 samples (2 %). About 4 steps of
+256 rollouts."""
+
+
+def drift_threshold(histogram: Sequence[float], rows: float, alpha: float, floor: float, ceiling: float) -> float:
+    """The calibrated drift threshold (nats): the kept samples' drift CUSUM quantile at ``1 − alpha``, read in the
+    body and extrapolated (:func:`extrapolated_quantile`), between ``floor`` and ``ceiling``:
+
+    .. math:: h = \\min\\big(\\textit{ceiling},\\ \\max(\\textit{floor},\\ q(\\alpha))\\big)
+
+    With ``h`` the histogram of the kept samples' CUSUM over :data:`EXCESS_EDGES` (samples below the first edge
+    count only in ``rows``). Exponential extrapolation is what CUSUM theory predicts: a one-sided CUSUM with
+    allowance a over increments of spread σ exceeds h with probability ≈ C·exp(−2ah/σ²) (Siegmund); a fixed h
+    has
+    to be set for the noisiest run it meets, while a run's own quantile sits where its healthy samples end.
+    ``ceiling`` (``GuardConfig.drift_threshold``) keeps it from ever judging less than the fixed rule does;
+    ``floor`` (``GuardConfig.calibrated_drift_floor``) keeps one healthy token from firing it in a quiet run.
+
+    Args:
+        histogram: (NUM_EXCESS_BINS,) decayed counts of kept samples' CUSUM.
+        rows: decayed kept samples (fewer than :data:`MIN_DRIFT_ROWS`: the ceiling).
+        alpha: the false firings allowed per sample.
+        floor, ceiling: nats.
+
+    >>> h = [0.0] * NUM_EXCESS_BINS; h[4] = 200.0; h[8] = 20.0  # 2,000 samples: 200 near 0.55 nats, 20 near 1.1
+    >>> drift_threshold(h, 2000.0, 5e-4, floor=2.0, ceiling=6.0)  # a quiet run: its quantile 0.59 nats → the floor
+    2.0
+    >>> h[12] = 40.0  # 40 more near 2.2 nats: q(1 %) = 2.38, q(10 %) = 0.59, extrapolated 1.3 decades further
+    >>> round(drift_threshold(h, 2000.0, 5e-4, floor=2.0, ceiling=6.0), 3)
+    4.699
+    >>> h[16] = 40.0; drift_threshold(h, 2000.0, 5e-4, floor=2.0, ceiling=6.0)  # heavier still: the fixed ceiling
+    6.0
+    >>> drift_threshold(h, 500.0, 5e-4, floor=2.0, ceiling=6.0)  # too few samples yet
+    6.0
+    """
+    if rows < MIN_DRIFT_ROWS:
+        return ceiling
+    return min(ceiling, max(floor, extrapolated_quantile(histogram, rows, alpha)))
+
+
 class Calibration:
     """Decayed per-bucket sums of kept tokens: count, Σ clip(x), histogram of x; and the centres in use.
 
@@ -217,8 +274,12 @@ class Calibration:
         self._variance = [0.0] * NUM_ENGINE_BUCKETS  # of clip(x) around the centre
         self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the centres were last forgotten
         self.rows = 0.0  # decayed count of kept samples
+        self._announced = False  # told the sampling settings (see the ``announced`` property)
+        self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
+        self._drift_rows = 0.0  # decayed kept samples since the bucket thresholds last changed kind
         self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
+        self._drift_value: float | None = None  # until the next update
 
     @property
     def sums(self) -> torch.Tensor:
@@ -257,9 +318,43 @@ class Calibration:
         alone; meanwhile the bucket's spike thresholds are the uncalibrated ones too, then read again from the
         histograms, which are kept. For a change the offset of d follows at once (other top-k/top-p settings: the
         processed logprobs' renormalisation offset moves by ~0.7 nats on some rows)."""
-        self._thresholds, self._values = {}, None
+        self._thresholds, self._values, self._drift_value = {}, None, None
         self._fresh = [0.0] * NUM_ENGINE_BUCKETS
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
+        self._forget_drift()
+
+    def _forget_drift(self) -> None:
+        """The samples' CUSUM depends on the bucket thresholds it was computed with: start its histogram over."""
+        self._drift = [0.0] * NUM_EXCESS_BINS
+        self._drift_rows = 0.0
+
+    @property
+    def announced(self) -> bool:
+        """Whether the guard is told the sampling settings each step (so that it restarts the centres where they
+        change). Only then do the calibrated drift threshold and ``GuardConfig.calibrated_spike_floor`` apply;
+        otherwise the fixed drift threshold and at least :data:`UNANNOUNCED_SPIKE_FLOOR`: an unannounced change
+        moves every token's offset at once, and tighter thresholds read from before it fire on the healthy rows
+        after it."""
+        return self._announced
+
+    @announced.setter
+    def announced(self, value: bool) -> None:
+        if bool(value) != self._announced:
+            self._announced = bool(value)
+            self._thresholds, self._values, self._drift_value = {}, None, None
+
+    def drift_threshold_value(self) -> float | None:
+        """The drift threshold the next step uses (nats; :func:`drift_threshold` when :attr:`announced`, else
+        ``GuardConfig.drift_threshold``; ``None``: the rule is off)."""
+        config = self.config
+        if config.drift_threshold is None:
+            return None
+        if not self._announced:
+            return config.drift_threshold
+        if self._drift_value is None:
+            self._drift_value = drift_threshold(self._drift, self._drift_rows, config.false_alarm_budget / 1000.0,
+                                                config.calibrated_drift_floor, config.drift_threshold)
+        return self._drift_value
 
     def warm(self) -> torch.Tensor:
         """(K,) bool: buckets judged by their calibration (:meth:`calibrated_flags`)."""
@@ -294,7 +389,8 @@ class Calibration:
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
         log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
-        floor = config.calibrated_spike_floor
+        floor = config.calibrated_spike_floor if self._announced else max(config.calibrated_spike_floor,
+                                                                            UNANNOUNCED_SPIKE_FLOOR)
         spike = []
         for q, w, n, v in zip(quantile, warm, candidates, self._variance, strict=True):
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
@@ -308,9 +404,11 @@ class Calibration:
                     else math.inf for bucket, w in zip(self._sums, warm, strict=True)]
         return centre, allowance, spike, unlikely
 
-    def update(self, contribution: torch.Tensor, kept_rows: float) -> None:
-        """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor)."""
-        self._thresholds, self._values = {}, None
+    def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None) -> None:
+        """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
+        kept samples' drift CUSUM, (n,) host tensor of all processes' kept samples (NaN: no token, skipped)."""
+        flags_then = self.calibrated_flags()
+        self._thresholds, self._values, self._drift_value = {}, None, None
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
         # the step's tokens were centred with the centre then in use (0 before warm-up): move them to absolute d
@@ -334,13 +432,24 @@ class Calibration:
                 new_mean = (self._centre[k] if centred[k] else 0.0) + mean_then
                 self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
+        if self.calibrated_flags() != flags_then:  # the next step's CUSUM comes from other bucket thresholds
+            self._forget_drift()
+        elif kept_drift is not None:
+            values = kept_drift.double()
+            values = values[~torch.isnan(values)]
+            edges = torch.tensor(EXCESS_EDGES, dtype=torch.float64)
+            index = torch.bucketize(values, edges, right=True) - 1  # −1 below the first edge
+            counts = torch.bincount(index[index >= 0], minlength=NUM_EXCESS_BINS).tolist()
+            self._drift = [value * decay + added for value, added in zip(self._drift, counts, strict=True)]
+            self._drift_rows = self._drift_rows * decay + float(values.numel())
 
     def state_dict(self) -> dict:
         return {"sums": [list(bucket) for bucket in self._sums], "centre": list(self._centre),
-                "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh)}
+                "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh),
+                "drift": list(self._drift), "drift_rows": self._drift_rows}
 
     def load_state_dict(self, state: dict) -> None:
-        self._thresholds, self._values = {}, None
+        self._thresholds, self._values, self._drift_value = {}, None, None
         # a checkpoint from before the histogram of unlikely tokens: that histogram starts empty (not judged)
         self._sums = [[float(value) for value in bucket] + [0.0] * (CALIBRATION_WIDTH - len(bucket))
                       for bucket in state["sums"]]
@@ -348,3 +457,6 @@ class Calibration:
         self._variance = [float(value) for value in state["variance"]]
         self.rows = float(state["rows"])
         self._fresh = [float(value) for value in state.get("fresh", [bucket[0] for bucket in self._sums])]
+        # a checkpoint from before the calibrated drift threshold: its histogram starts empty (the fixed one)
+        self._drift = [float(value) for value in state.get("drift", [0.0] * NUM_EXCESS_BINS)]
+        self._drift_rows = float(state.get("drift_rows", 0.0))

@@ -86,16 +86,17 @@ class GuardConfig:
     0–1 point. Above the processed-logprob offset of an uncalibrated top-k=5 high-entropy policy (≈ 1.5 nats).
     Default 4.0."""
 
-    calibrated_spike_floor: float = 2.0
+    calibrated_spike_floor: float = 1.5
     """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold is the
     larger of this and the run's extrapolated healthy quantile (with fewer than 50 spike candidates,
     :data:`rollout_guard.calibration.MIN_SPIKE_CANDIDATES`: the Gaussian bound of its tokens' spread, capped at
     ``spike_excess``); before, ``spike_excess`` applies. Lower than ``spike_excess`` so that a 3-nat spike still
-    fires when the token's own noise or a processed-logprob offset takes up to 1 nat off it; measured on the
-    fidelity benchmark (300 faults per condition, both candidate cuts at ln 0.2 then): floor 2.0 caught 99.3–100 %
-    of single spikes outside the top-k=5 condition (the 3.0 floor: 96–98 %) and its false ``directional_spike``
-    firings stayed ≤ 5 per condition (≤ 0.06 %); 2.5 caught no more and lost late-onset recall; 1.5 fired on
-    top-k=20 rows whose renormalisation offset reaches 2.2 nats. Default 2.0."""
+    fires when the token's own noise or a processed-logprob offset takes up to 1.5 nats off it. Measured on the
+    fidelity benchmark (1,000 faults per condition, 27 conditions, 91,776 clean samples): 2.0 → 1.5 kept the false
+    quarantines at 22 and caught 160 more late-onset rows (missed 854 → 694), 36 more moderate ones, 33 more
+    truncated; 1.0 added 6 false quarantines (3 in a top-k = 20 condition, whose renormalisation offsets reach 2.2
+    nats, and the pooled hybrid-tail stream over 0.1 %). (In 2026-11 with the budget quantile read directly, before
+    :func:`rollout_guard.calibration.extrapolated_quantile`, 1.5 had fired on those top-k = 20 rows.) Default 1.5."""
 
     spike_min_engine_logprob: float = math.log(0.05)
     """nats. A token the engine gave at least this logprob is a ``directional_spike`` candidate (either direction).
@@ -125,9 +126,21 @@ class GuardConfig:
     clean samples). Default ln 0.2 ≈ −1.61."""
 
     drift_threshold: float | None = 6.0
-    """nats. Rule ``drift``: the CUSUM of ``clip(x, −1, 4) − allowance`` over the sample's tokens exceeds this.
-    Catches corruption from token 0 at any confidence and corruption that starts late (a CUSUM does not care where
-    a run starts); one healthy tail token moves it by at most 4 nats. Default 6.0."""
+    """nats. Rule ``drift``: the CUSUM of ``clip(x, −2, 4) − allowance`` over the sample's tokens exceeds the
+    drift threshold: this value until the run's own is read (then never above this). Catches corruption from token
+    0 at any confidence and corruption that starts late (a CUSUM does not care where a run starts); one healthy
+    tail token moves it by at most 4 nats. Default 6.0."""
+
+    calibrated_drift_floor: float = 3.0
+    """nats. Once :data:`rollout_guard.calibration.MIN_DRIFT_ROWS` kept samples were judged by the same bucket
+    thresholds, the drift threshold is the run's own: the extrapolated ``1 − false_alarm_budget / 1000`` quantile of
+    the kept samples' CUSUM (:func:`rollout_guard.calibration.drift_threshold`), never below this and never above
+    ``drift_threshold``. Below it the rule would rest on how rare an unseen healthy tail is. Measured on the fidelity
+    benchmark (1,000 faults per condition, spike floor 1.5): with the fixed 6 nats 694 late-onset rows missed, with
+    the floor at 3.5 (one token alone, at most 4 − 0.5 nats, can never fire it) 559, at 3.0 525, at 2.0 473; false
+    quarantines 22 of 91,776 clean samples in all four (the heavy-tail conditions' own quantile stays at the
+    ceiling). 3.0: below one clipped tail token's 3.5 nats, but not as far as the benchmark would allow. Default
+    3.0."""
 
     drift_allowance: float = 0.5
     """nats per token. What ``x`` may average per token on a run before the drift CUSUM grows, once the run's own
@@ -254,7 +267,9 @@ class GuardConfig:
             raise GuardConfigError("doubtful_logprob", self.doubtful_logprob,
                                    f"use a value below confident_logprob={self.confident_logprob:g} (a token cannot be both)")
         if not (_is_number(self.calibrated_spike_floor) and 0 <= self.calibrated_spike_floor < math.inf):
-            raise GuardConfigError("calibrated_spike_floor", self.calibrated_spike_floor, "use nats ≥ 0, e.g. 2.0")
+            raise GuardConfigError("calibrated_spike_floor", self.calibrated_spike_floor, "use nats ≥ 0, e.g. 1.5")
+        if not (_is_number(self.calibrated_drift_floor) and 0 <= self.calibrated_drift_floor < math.inf):
+            raise GuardConfigError("calibrated_drift_floor", self.calibrated_drift_floor, "use nats ≥ 0, e.g. 3.0")
         for name in ("spike_excess", "drift_threshold"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):

@@ -71,18 +71,20 @@ def _threshold(value: float | int | None) -> float:
 
 
 def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[float], ...],
-                      device: torch.device | str) -> torch.Tensor:
+                      device: torch.device | str, drift_threshold: float | None = None) -> torch.Tensor:
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
     calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike; 16), the config's token
     thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut (1), the
     |Δ| and |x| histogram edges as the reference compares them (float32). ``thresholds``: tensors or the
-    calibration's lists of floats."""
+    calibration's lists of floats; ``drift_threshold``: the calibrated drift threshold in use (nats; default
+    ``config.drift_threshold``)."""
+    drift = config.drift_threshold if config.drift_threshold is None or drift_threshold is None else drift_threshold
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
                float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
                _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
-               _threshold(config.drift_threshold), float(config.spike_min_trainer_logprob)]
+               _threshold(drift), float(config.spike_min_trainer_logprob)]
     assert len(values) == 33
     return to_device(torch.tensor(values + _EDGE_VALUES, dtype=torch.float32), device)
 
@@ -91,12 +93,15 @@ _EDGE_VALUES = DELTA_BIN_EDGES.float().tolist() + torch.tensor(EXCESS_EDGES, dty
 
 
 def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | torch.Tensor, block: int = BLOCK,
-                 num_warps: int = NUM_WARPS, histograms: bool = True) -> torch.Tensor:
+                 num_warps: int = NUM_WARPS, histograms: bool = True,
+                 drift_threshold: float | None = None) -> torch.Tensor:
     """The packet of :func:`rollout_guard.packet.reference_packet`, from one kernel launch (status 1, check
     flag 0). Needs Triton; runs on CUDA tensors (or on CPU tensors in Triton's interpreter). ``thresholds``: the
     calibration's thresholds, or their :func:`kernel_parameters` table (what the guard caches between updates).
     ``block``: tokens per block of a row (a power of two ≥ 16; tests use small blocks to cross block boundaries
-    cheaply). ``histograms=False`` skips both histograms (a wrong packet: for timing the kernel's parts only)."""
+    cheaply). ``histograms=False`` skips both histograms (a wrong packet: for timing the kernel's parts only).
+    ``drift_threshold``: the calibrated drift threshold in use (nats; default ``config.drift_threshold``; ignored
+    when ``thresholds`` is already a parameter table)."""
     mask = evidence.mask
     batch, length = mask.shape
     device = mask.device
@@ -116,7 +121,8 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
     engine, trainer = rows(evidence.engine_logprobs), rows(evidence.trainer_logprobs)
     injected = evidence.injected.to(device) if evidence.injected is not None else mask  # the kernel reads it there
     injected = injected.view(torch.uint8) if injected.dtype == torch.bool else injected
-    parameters = thresholds if isinstance(thresholds, torch.Tensor) else kernel_parameters(config, thresholds, device)
+    parameters = (thresholds if isinstance(thresholds, torch.Tensor)
+                  else kernel_parameters(config, thresholds, device, drift_threshold))
     _kernel()[(batch,)](
         mask, engine, trainer, injected, parameters, out, length, batch, mask.stride(0), engine.stride(0), trainer.stride(0),
         HAS_ENGINE=evidence.has_engine, HAS_TRAINER=evidence.has_trainer, HAS_INJECTED=evidence.injected is not None,

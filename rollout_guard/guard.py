@@ -55,6 +55,7 @@ class StepReport:
     skipped: bool = False  # the guard failed on some rank this step; the batch passes through unguarded
     stop_training: str | None = None  # the circuit breaker's reason to stop (quarantine mode, on_ceiling "stop"/"raise")
     check_failed_on: list[int] = field(default_factory=list)  # ranks whose adapter check failed (see inspect)
+    drift_threshold: float | None = None  # nats: the drift threshold this step was judged with (calibrated)
 
     @property
     def any_quarantined(self) -> bool:
@@ -122,7 +123,7 @@ class RolloutGuard:
         self.sampling: tuple | None = None  # the sampling settings the calibration was learned under
         self.calibration_resets = 0
         self.last_guard_seconds = 0.0
-        self._kernel_parameters: tuple | None = None  # (thresholds, their kernel table on the device)
+        self._kernel_parameters: tuple | None = None  # (thresholds, drift threshold, their kernel table on the device)
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
@@ -141,6 +142,7 @@ class RolloutGuard:
             if self.sampling is not None and settings != self.sampling:
                 self.recalibrate()
             self.sampling = settings
+            self.calibration.announced = True
         error: BaseException | None = evidence if isinstance(evidence, BaseException) else None
         packet: torch.Tensor | None = None
         if error is None:
@@ -183,12 +185,16 @@ class RolloutGuard:
         if (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
                 and fused_statistics.available()):
             thresholds = self.calibration.threshold_values()  # the same object until the next update
+            drift = self.calibration.drift_threshold_value()
             cached = self._kernel_parameters
-            if cached is None or cached[0] is not thresholds or cached[1].device != evidence.device:
-                cached = (thresholds, fused_statistics.kernel_parameters(self.config, thresholds, evidence.device))
+            if (cached is None or cached[0] is not thresholds or cached[1] != drift
+                    or cached[2].device != evidence.device):
+                table = fused_statistics.kernel_parameters(self.config, thresholds, evidence.device, drift)
+                cached = (thresholds, drift, table)
                 self._kernel_parameters = cached
-            return fused_statistics.fused_packet(evidence, self.config, cached[1])
-        return reference_packet(evidence, self.config, self.calibration.thresholds(evidence.device))
+            return fused_statistics.fused_packet(evidence, self.config, cached[2])
+        return reference_packet(evidence, self.config, self.calibration.thresholds(evidence.device),
+                                self.calibration.drift_threshold_value())
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
         layout = PacketLayout(batch)
@@ -214,12 +220,14 @@ class RolloutGuard:
             local_rows=local_rows,
             local_quarantined=local_quarantined,
             check_failed_on=[rank for rank, flag in enumerate(host[:, 1].tolist()) if flag],
+            drift_threshold=self.calibration.drift_threshold_value(),  # before this step's update
         )
         report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
                                       report.delta_histogram, self.config.quarantines)
         report.metrics["guard_failures"] = float(self.totals.failures)
         calibration = host[:, layout.calibration].sum(dim=0).view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
-        self.calibration.update(calibration, float(host[:, layout.kept_rows].sum()))
+        kept_drift = report.samples[~suspect_host, COLUMN["drift_cusum"]]  # the global batch: the same on every rank
+        self.calibration.update(calibration, float(host[:, layout.kept_rows].sum()), kept_drift)
         report.metrics.update(self._calibration_metrics())
         report.alerts = self.alerts.check(step, report.metrics)
         self._circuit_breaker(report)
@@ -282,8 +290,10 @@ class RolloutGuard:
     def _calibration_metrics(self) -> dict[str, float]:
         """The thresholds the next step will use, per engine bucket (nats)."""
         centre, _, spike, unlikely = self.calibration.threshold_values()
+        drift = self.calibration.drift_threshold_value()
         metrics = {"calibrated_buckets": float(sum(self.calibration.calibrated_flags())),
-                   "calibration_resets": float(self.calibration_resets)}
+                   "calibration_resets": float(self.calibration_resets),
+                   "calibration/drift_threshold": drift if drift is not None else math.nan}
         for bucket in range(NUM_ENGINE_BUCKETS):
             metrics[f"calibration/centre_b{bucket}"] = centre[bucket]
             metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
@@ -328,6 +338,7 @@ class RolloutGuard:
             self.calibration.load_state_dict(state["calibration"])
         self.calibration_resets = int(state.get("calibration_resets", 0))
         self.sampling = tuple(state["sampling"]) if state.get("sampling") is not None else None
+        self.calibration.announced = self.sampling is not None
 
     def summary(self) -> dict[str, float]:
         totals = self.totals

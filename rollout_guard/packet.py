@@ -190,11 +190,13 @@ def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Te
     return metrics
 
 
-def reference_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds) -> torch.Tensor:
+def reference_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
+                     drift_threshold: float | None = None) -> torch.Tensor:
     """The packet from the pure-torch statistics (:func:`summarise`) and verdict (:func:`judge`), on the
-    evidence's device; status 1 and check flag 0 (the caller sets the flag)."""
+    evidence's device; status 1 and check flag 0 (the caller sets the flag). ``drift_threshold``: the calibrated
+    one in use (nats; default ``config.drift_threshold``)."""
     samples, histogram, contribution = summarise(evidence, config, thresholds)
-    verdict = judge(samples, config)
+    verdict = judge(samples, config, drift_threshold)
     dtype = packet_dtype(samples.device)
     exact = torch.float32 if samples.device.type == "mps" else torch.float64
     kept = ~verdict.suspect

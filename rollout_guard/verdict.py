@@ -23,8 +23,11 @@ class Verdict(NamedTuple):
     reasons: torch.Tensor  # (N,) int32 bitmask over RULES
 
 
-def rule_firings(samples: torch.Tensor, config: GuardConfig) -> dict[str, torch.Tensor]:
-    """(N,) bool per enabled rule."""
+def rule_firings(samples: torch.Tensor, config: GuardConfig,
+                 drift_threshold: float | torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """(N,) bool per enabled rule. ``drift_threshold``: the drift threshold in use (nats; a number or one per
+    sample), i.e. the calibrated one (:meth:`rollout_guard.calibration.Calibration.drift_threshold_value`);
+    default ``config.drift_threshold``."""
     column = {name: samples[:, index] for name, index in COLUMN.items()}
     firings: dict[str, torch.Tensor] = {}
     if config.nonfinite_engine_tokens is not None:
@@ -40,13 +43,15 @@ def rule_firings(samples: torch.Tensor, config: GuardConfig) -> dict[str, torch.
     if config.spike_excess is not None:
         firings["directional_spike"] = column["spike_margin"] > 0
     if config.drift_threshold is not None:
-        firings["drift"] = column["drift_cusum"] > config.drift_threshold
+        firings["drift"] = column["drift_cusum"] > (drift_threshold if drift_threshold is not None
+                                                    else config.drift_threshold)
     return firings
 
 
-def judge(samples: torch.Tensor, config: GuardConfig) -> Verdict:
+def judge(samples: torch.Tensor, config: GuardConfig, drift_threshold: float | torch.Tensor | None = None) -> Verdict:
+    """The verdict of every sample (``drift_threshold``: as :func:`rule_firings`)."""
     reasons = torch.zeros(samples.shape[0], dtype=torch.int32, device=samples.device)
-    for name, fired in rule_firings(samples, config).items():
+    for name, fired in rule_firings(samples, config, drift_threshold).items():
         reasons |= fired.to(torch.int32) * RULE_BIT[name]
     return Verdict(suspect=reasons != 0, reasons=reasons)
 

@@ -239,6 +239,7 @@ def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_
         contribution[bucket, 3] = candidates
         contribution[bucket, 4 + where] = candidates
     calibration = Calibration(config)
+    calibration.announced = True  # told the sampling settings: the configured floor applies
     calibration.update(contribution, kept_rows=100.0)
     spike = calibration.threshold_values()[2]
     assert spike[0] == config.calibrated_spike_floor  # quiet tokens, few candidates: the floor, not 8+ nats
@@ -275,7 +276,8 @@ def test_tokens_no_side_found_likely_are_judged_only_where_their_healthy_tail_is
     """Such tokens are no spike candidates (that is where healthy large-model runs put 10–18-nat tails), so a
     garbage low engine logprob on one went unjudged: 4–5 % of isolated spikes missed even in quiet conditions of the
     fidelity benchmark. Calibrated, they get their own threshold: 1.5 × the |x| only 5 kept such tokens exceed when
-    that stays within ``spike_excess`` (quiet: here the floor, 2 nats, so a 3-nat garbage value is caught), else
+    that stays within ``spike_excess`` (quiet: here the floor of a guard never told its sampling settings, 2 nats,
+    so a 3-nat garbage value is caught), else
     none (a heavy healthy tail: the same value is inside the noise, and no healthy row may be flagged). With 64-row
     steps the bucket never holds UNLIKELY_MIN_TOKENS (its decayed count tops out at ~41,000): not judged (read
     from 2,000 tokens instead, the tail looked quiet at warm-up and 25 healthy rows were flagged)."""
@@ -290,7 +292,8 @@ def test_tokens_no_side_found_likely_are_judged_only_where_their_healthy_tail_is
     garbage = with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, batch, 64, tail_rate), 5, 3.0)
     report = guard.inspect(garbage, step=31)
     if tail_rate == 0.0:
-        assert threshold == config.calibrated_spike_floor
+        from rollout_guard.calibration import UNANNOUNCED_SPIKE_FLOOR
+        assert threshold == UNANNOUNCED_SPIKE_FLOOR > config.calibrated_spike_floor
         assert report.suspect.nonzero().flatten().tolist() == [5]
         assert report.samples[5, COLUMN["spike_margin"]] == pytest.approx(3.0 - 2.0, abs=0.3)
     else:
@@ -342,3 +345,69 @@ def test_a_sampling_change_announced_restarts_the_centres_and_flags_no_healthy_r
         assert restored.sampling == ("top_k=20",) and restored.calibration_resets == 1
     else:
         assert flagged > 64, f"control: only {flagged} rows flagged without the announcement"
+
+
+def with_late_drift(evidence: RolloutEvidence, row: int, tokens: int, gap: float) -> RolloutEvidence:
+    """The row's last ``tokens`` tokens: the trainer ``gap`` nats below the engine (moderate late onset)."""
+    trainer = evidence.trainer_logprobs.clone()
+    trainer[row, -tokens:] = evidence.engine_logprobs[row, -tokens:] - gap
+    injected = torch.zeros(trainer.shape[0], dtype=torch.bool)
+    injected[row] = True
+    return RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs, trainer_logprobs=trainer,
+                           injected=injected)
+
+
+SETTINGS = ("temperature=1.0", "top_p=1.0")  # what the TRL adapter hands over each step
+
+
+def test_the_drift_threshold_is_the_runs_own_once_calibrated():
+    """A quiet run's healthy CUSUM stays near 0: told its sampling settings, the guard's drift threshold falls to
+    the floor (3 nats) and a short late drift (8 tokens 1.1 nats off: CUSUM 4.8) is caught that the fixed 6 nats
+    miss; 4 such tokens (2.4) are not; it survives a checkpoint; never told the settings, a guard keeps the fixed
+    one; forgetting the centres restarts it at the fixed one."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    fixed = RolloutGuard(GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, calibrated_drift_floor=6.0))
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(7)
+    for step in range(1, 9):
+        evidence = gaussian_candidates(generator, 256, 64, sigma=0.05)
+        assert not guard.inspect(evidence, step=step, sampling=SETTINGS).suspect.any()
+        fixed.inspect(evidence, step=step, sampling=SETTINGS)
+    assert guard.calibration.drift_threshold_value() == pytest.approx(3.0)
+    assert fixed.calibration.drift_threshold_value() == pytest.approx(6.0)
+    late = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=8, gap=1.1)
+    assert guard.inspect(late, step=9, sampling=SETTINGS).suspect.tolist() == late.injected.tolist()
+    assert not fixed.inspect(late, step=9, sampling=SETTINGS).suspect.any()
+    shorter = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=4, gap=1.1)
+    assert not guard.inspect(shorter, step=10, sampling=SETTINGS).suspect.any()
+    restored = RolloutGuard(config)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.calibration.drift_threshold_value() == guard.calibration.drift_threshold_value()
+    # never told the sampling settings, a guard keeps the fixed drift threshold (an unannounced change of them
+    # would move every row's CUSUM at once)
+    unannounced = RolloutGuard(config)
+    unannounced.load_state_dict({**guard.state_dict(), "sampling": None})
+    assert unannounced.calibration.drift_threshold_value() == pytest.approx(6.0)
+    assert not unannounced.inspect(late, step=11).suspect.any()
+    guard.recalibrate()
+    assert guard.calibration.drift_threshold_value() == pytest.approx(6.0)
+
+
+def test_a_noisy_runs_drift_threshold_stays_above_its_healthy_cusum():
+    """Healthy tokens with σ = 0.7 nats (a top-k = 20 stream's spread of offsets). Before the bucket calibrates
+    (steps 1–14, allowance 2 nats per token) the healthy CUSUM stays under 1.1 nats and the drift threshold read
+    from it is the floor; once the bucket calibrates (allowance 0.5) the CUSUM reaches 3.3–4.8 nats: the histogram
+    starts over and the threshold is the fixed one until it is read again, above the floor, where the healthy
+    samples' CUSUM ends. No healthy row of the 10 steps after the switch is flagged (kept on, the warm-up readings
+    flagged 4 there) and no more of all 7,680 than the goal allows (0.1 %; the drift budget is 0.05 %)."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=160_000, spike_excess=None)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(8)
+    flagged, thresholds = [], []
+    for step in range(1, 31):
+        report = guard.inspect(gaussian_candidates(generator, 256, 64, sigma=0.7), step=step, sampling=SETTINGS)
+        flagged.append(int(report.suspect.sum()))
+        thresholds.append(report.drift_threshold)
+    assert thresholds[0] == 6.0 and thresholds[9] == config.calibrated_drift_floor, thresholds
+    assert sum(flagged[:24]) == 0 and sum(flagged) <= 8, (flagged, thresholds)
+    assert min(thresholds[-10:]) > config.calibrated_drift_floor

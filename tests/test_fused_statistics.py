@@ -85,6 +85,19 @@ def case_mixed_batch(fused, thresholds):
     assert_same_packet(reference, fused(evidence, config, table, block=BLOCK), 10)
 
 
+def case_calibrated_drift_threshold(fused):
+    """The calibrated drift threshold reaches the kernel's verdict (one row's CUSUM lies between it and the
+    configured ceiling: flagged with it, not without)."""
+    config = GuardConfig()
+    evidence = mixed_batch(torch.Generator().manual_seed(4))
+    evidence.trainer_logprobs[0, 100:104] -= 1.6  # a short drift: CUSUM ≈ 4 · (1.6 − 0.5) = 4.4 nats
+    layout = PacketLayout(10)
+    fixed = reference_packet(evidence, config, CALIBRATED)
+    lowered = reference_packet(evidence, config, CALIBRATED, drift_threshold=3.0)
+    assert fixed[layout.reasons][0] == 0 and lowered[layout.reasons][0] != 0, "row 0 must sit between 3 and 6 nats"
+    assert_same_packet(lowered, fused(evidence, config, CALIBRATED, block=BLOCK, drift_threshold=3.0), 10)
+
+
 def case_rules_off_bool_mask_and_bf16(fused):
     config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None, spike_excess=None,
                          drift_threshold=None, nonfinite_trainer_tokens=2)
@@ -143,6 +156,7 @@ def case_histogram_bin_edges(fused):
 CASES = {
     "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
     "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),
+    "mixed batch, calibrated drift threshold": case_calibrated_drift_threshold,
     "rules off, bool mask, bf16": case_rules_off_bool_mask_and_bf16,
     "engine logprobs only": lambda fused: case_one_side_only(fused, "engine"),
     "trainer logprobs only": lambda fused: case_one_side_only(fused, "trainer"),
