@@ -37,7 +37,8 @@ from rollout_guard.statistics import COLUMN  # noqa: E402
 from rollout_guard.verdict import judge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = str(REPO / "benchmarks" / "fidelity_data" / "*.parquet")
+DEFAULT_DATA = str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parquet")  # the 27 conditions
+# (the cpu-vllm-* files are the vLLM CPU runs of the data README, with sources of their own: --data to add them)
 
 app = typer.Typer(add_completion=False)
 
@@ -115,9 +116,11 @@ def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator) ->
 
 def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[str, list[float]]:
     """Recall per fault and clean false rate, pooled over conditions, with every nat threshold scaled by a factor
-    (``token_spike``, ``mean_drift`` and ``drift`` thresholds × f; the spike floor of ``directional_spike`` moved
-    by (f − 1) × ``spike_excess``), re-judging the stored per-sample statistics."""
+    (``token_spike``, ``mean_drift`` and ``drift`` thresholds × f, the drift one each row's calibrated one; the
+    spike floor of ``directional_spike`` moved by (f − 1) × ``spike_excess``), re-judging the stored per-sample
+    statistics."""
     samples = torch.cat([j.rows()[0] for j in judged_all])
+    drift = torch.cat([j.drift_thresholds() for j in judged_all])  # each row's calibrated drift threshold
     labels = [label for j in judged_all for label in j.rows()[2]]
     counted = torch.cat([j.rows()[3] for j in judged_all])
     curves: dict[str, list[float]] = {}
@@ -126,12 +129,11 @@ def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[
     margin = COLUMN["spike_margin"]
     for factor in factors.tolist():
         scaled = replace(config, spike_delta=config.spike_delta * factor if config.spike_delta else None,
-                         mean_delta=config.mean_delta * factor if config.mean_delta else None,
-                         drift_threshold=config.drift_threshold * factor if config.drift_threshold else None)
+                         mean_delta=config.mean_delta * factor if config.mean_delta else None)
         shifted = samples.clone()
         if config.spike_excess is not None:
             shifted[:, margin] -= (factor - 1.0) * config.spike_excess
-        suspect = judge(shifted, scaled).suspect
+        suspect = judge(shifted, scaled, drift * factor).suspect
         for name in names:
             rows = label_rows[name]
             curves.setdefault(name, []).append(float((suspect & rows).sum()) / max(int(rows.sum()), 1))

@@ -45,19 +45,26 @@ class Judged:
     label: list[list[str]] = field(default_factory=list)  # "clean" or the fault name, per row
     counted: list[torch.Tensor] = field(default_factory=list)  # (n,) bool: counts towards the figures
     tokens: list[torch.Tensor] = field(default_factory=list)  # (n,) tokens per row
+    drift: list[torch.Tensor] = field(default_factory=list)  # (n,) the drift threshold each row was judged with
 
     def add(self, samples: torch.Tensor, suspect: torch.Tensor, labels: list[str], counted: torch.Tensor,
-            tokens: torch.Tensor) -> None:
+            tokens: torch.Tensor, drift_threshold: float | None = None) -> None:
         self.samples.append(samples)
         self.suspect.append(suspect)
         self.label.append(labels)
         self.counted.append(counted)
         self.tokens.append(tokens)
+        self.drift.append(torch.full((len(labels),), math.inf if drift_threshold is None else drift_threshold,
+                                     dtype=torch.float64))
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor, torch.Tensor]:
         labels = [label for step in self.label for label in step]
         return (torch.cat(self.samples), torch.cat(self.suspect), labels, torch.cat(self.counted),
                 torch.cat(self.tokens))
+
+    def drift_thresholds(self) -> torch.Tensor:
+        """(N,) float64 nats: the (calibrated) drift threshold each row was judged with."""
+        return torch.cat(self.drift)
 
 
 def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, device: str = "cpu") -> RolloutEvidence:
@@ -76,9 +83,10 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     Phase 2 judges the remaining faulty rows, a quarter of each step, beside resampled clean rows that fill the
     step and are not counted (false quarantines are counted on unique clean rows only).
     ``mask_truncated``: TRL's ``mask_truncated_completions=True`` zeroes truncated rows' loss mask before the guard.
-    A pooled stream (``clean.setting``) changes sampling setting between steps: phase 1 cuts its steps where the
-    setting changes and, with ``announce_sampling``, passes it to the guard as the TRL adapter does; phase 2 mixes
-    settings and announces none.
+    With ``announce_sampling`` the guard is told each phase-1 step's sampling setting, as the TRL adapter does every
+    step (the same one throughout for a single-setting condition); a pooled stream (``clean.setting``) changes
+    setting between steps: phase 1 cuts its steps where the setting changes; phase 2 mixes settings within a step
+    and passes none (the guard carries on with what it was last told).
     """
     guard = make_guard(config) if make_guard is not None else RolloutGuard(config, device=device)
     judged = Judged()
@@ -110,14 +118,14 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         rows = cat(parts)
         injected = torch.tensor([label != "clean" for label in labels])
         report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step, sampling=sampling)
-        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1))
+        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.drift_threshold)
 
     step = 0
     clean_step_rows = step_rows - per_step_faults
     setting = clean.setting if clean.setting is not None else torch.zeros(len(clean), dtype=torch.long)
     changes = (torch.nonzero(setting[1:] != setting[:-1]).flatten() + 1).tolist()
     for run_start, run_stop in zip([0, *changes], [*changes, len(clean)], strict=True):  # one setting each
-        sampling = (int(setting[run_start]),) if announce_sampling and clean.setting is not None else None
+        sampling = (int(setting[run_start]),) if announce_sampling else None  # one setting: the same every step
         for start in range(run_start, run_stop, clean_step_rows):
             index = slice(start, min(start + clean_step_rows, run_stop))
             parts, labels = take_faults(per_step_faults)
@@ -140,7 +148,7 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
     """Recall per fault and false quarantines of clean rows, with Wilson intervals and PASS/FAIL, and which rules
     fired on the false quarantines and which would have caught the faults."""
     samples, verdict, labels, counted, tokens = judged.rows()
-    firings = rule_firings(samples, config)
+    firings = rule_firings(samples, config, judged.drift_thresholds())
     out: dict[str, dict] = {}
     for name in sorted(set(labels)):
         rows = torch.tensor([label == name for label in labels]) & counted
