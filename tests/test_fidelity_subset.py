@@ -31,7 +31,10 @@ DATA = sorted(glob.glob(str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parq
 # calibration warms up later here, so the uncalibrated 4-nat spike threshold judges more of the rows than there:
 # before that change moderate 0.89, late onset 0.80, single 0.94, hybrid tail false 0.0067, top-k false 0.0022.
 # After the fourth session's (unlikely-token spikes, announced sampling changes): moderate 0.80, late onset 0.755,
-# isolated 0.92, single 0.91, truncated 0.92, real context swap 0.98; false as before.)
+# isolated 0.92, single 0.91, truncated 0.92, real context swap 0.98; false as before. After the fifth's (spike
+# floor 1.5, calibrated drift threshold, both only when told the sampling settings, as replay now does for every
+# condition): moderate 0.804, late onset 0.754, isolated 0.921, single 0.911, truncated 0.943, real context swap
+# 0.981; false as before.)
 RECALL_AT_LEAST = {
     "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.75, "late_onset": 0.7,
     "isolated_spikes": 0.85, "single_spike": 0.85, "truncated_gibberish": 0.8, "real_context_swap": 0.9,
