@@ -234,8 +234,7 @@ def drift_threshold(histogram: Sequence[float], rows: float, alpha: float, floor
     With ``h`` the histogram of the kept samples' CUSUM over :data:`EXCESS_EDGES` (samples below the first edge
     count only in ``rows``). Exponential extrapolation is what CUSUM theory predicts: a one-sided CUSUM with
     allowance a over increments of spread σ exceeds h with probability ≈ C·exp(−2ah/σ²) (Siegmund); a fixed h
-    has
-    to be set for the noisiest run it meets, while a run's own quantile sits where its healthy samples end.
+    has to be set for the noisiest run it meets, while a run's own quantile sits where its healthy samples end.
     ``ceiling`` (``GuardConfig.drift_threshold``) keeps it from ever judging less than the fixed rule does;
     ``floor`` (``GuardConfig.calibrated_drift_floor``) keeps one healthy token from firing it in a quiet run.
 

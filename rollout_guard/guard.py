@@ -135,7 +135,9 @@ class RolloutGuard:
         failed, the same on every rank, so that all of them act on it together. ``sampling``: the settings these
         rollouts were sampled with (e.g. temperature, top_p, top_k; the same on every rank); when they differ from
         the previous step's, the calibrated centres start over (:meth:`recalibrate`): the processed logprobs' offset
-        depends on them. ``None``: unknown, the calibration carries on."""
+        depends on them. A guard that has been told them also judges with its own drift threshold and the lower
+        ``calibrated_spike_floor`` (:attr:`Calibration.announced`: an unannounced change would fire them on healthy
+        rows). ``None``: unknown, the calibration carries on."""
         started = time.perf_counter()
         if sampling is not None:
             settings = tuple(sampling)
