@@ -130,6 +130,7 @@ def extrapolated_quantile(histogram: Sequence[float], tokens: float, alpha: floa
 
 
 _UPPER_EDGES = EXCESS_EDGES[1:] + (math.inf,)  # the upper edge of each |x| bin
+_EXCESS_EDGES_HOST = torch.tensor(EXCESS_EDGES, dtype=torch.float64)  # the drift histogram's bins, made once
 
 
 def gaussian_bound(sd: float, alpha: float) -> float:
@@ -317,10 +318,14 @@ class Calibration:
         alone; meanwhile the bucket's spike thresholds are the uncalibrated ones too, then read again from the
         histograms, which are kept. For a change the offset of d follows at once (other top-k/top-p settings: the
         processed logprobs' renormalisation offset moves by ~0.7 nats on some rows)."""
-        self._thresholds, self._values, self._drift_value = {}, None, None
+        self._forget_readings()
         self._fresh = [0.0] * NUM_ENGINE_BUCKETS
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
         self._forget_drift()
+
+    def _forget_readings(self) -> None:
+        """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
+        self._thresholds, self._values, self._drift_value = {}, None, None
 
     def _forget_drift(self) -> None:
         """The samples' CUSUM depends on the bucket thresholds it was computed with: start its histogram over."""
@@ -340,7 +345,7 @@ class Calibration:
     def announced(self, value: bool) -> None:
         if bool(value) != self._announced:
             self._announced = bool(value)
-            self._thresholds, self._values, self._drift_value = {}, None, None
+            self._forget_readings()
 
     def drift_threshold_value(self) -> float | None:
         """The drift threshold the next step uses (nats; :func:`drift_threshold` when :attr:`announced`, else
@@ -407,7 +412,7 @@ class Calibration:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
         kept samples' drift CUSUM, (n,) host tensor of all processes' kept samples (NaN: no token, skipped)."""
         flags_then = self.calibrated_flags()
-        self._thresholds, self._values, self._drift_value = {}, None, None
+        self._forget_readings()
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
         # the step's tokens were centred with the centre then in use (0 before warm-up): move them to absolute d
@@ -436,8 +441,7 @@ class Calibration:
         elif kept_drift is not None:
             values = kept_drift.double()
             values = values[~torch.isnan(values)]
-            edges = torch.tensor(EXCESS_EDGES, dtype=torch.float64)
-            index = torch.bucketize(values, edges, right=True) - 1  # −1 below the first edge
+            index = torch.bucketize(values, _EXCESS_EDGES_HOST, right=True) - 1  # −1 below the first edge
             counts = torch.bincount(index[index >= 0], minlength=NUM_EXCESS_BINS).tolist()
             self._drift = [value * decay + added for value, added in zip(self._drift, counts, strict=True)]
             self._drift_rows = self._drift_rows * decay + float(values.numel())
@@ -448,7 +452,7 @@ class Calibration:
                 "drift": list(self._drift), "drift_rows": self._drift_rows}
 
     def load_state_dict(self, state: dict) -> None:
-        self._thresholds, self._values, self._drift_value = {}, None, None
+        self._forget_readings()
         # a checkpoint from before the histogram of unlikely tokens: that histogram starts empty (not judged)
         self._sums = [[float(value) for value in bucket] + [0.0] * (CALIBRATION_WIDTH - len(bucket))
                       for bucket in state["sums"]]
