@@ -25,18 +25,21 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   10–18-nat tails, and where an engine that returns a garbage low logprob for an unlikely token puts its spike):
   :func:`unlikely_spike_threshold`, ``UNLIKELY_MARGIN`` times the |x| that only ``UNLIKELY_TAIL_TOKENS`` of the
   bucket's kept such tokens exceed, when that |x| is within ``GuardConfig.spike_excess`` (a quiet tail), else
-  +inf (not judged: a run with a healthy heavy tail there cannot tell such a spike from its noise).
+  +inf (not judged: a run with a healthy heavy tail there cannot tell such a spike from its noise); these tokens
+  are remembered longer (:data:`UNLIKELY_DECAY`).
 
 And, when the guard is told the sampling settings (:attr:`Calibration.announced`), for the whole sample the drift
 threshold: :func:`drift_threshold`, the extrapolated ``1 − false_alarm_budget / 1000`` quantile of the kept
 samples' drift CUSUM (a CUSUM's excursions have an exponential tail, Siegmund), between
 ``GuardConfig.calibrated_drift_floor`` and ``GuardConfig.drift_threshold``, read once :data:`MIN_DRIFT_ROWS` kept
-samples were judged by the same bucket thresholds (the CUSUM's distribution moves when a bucket's do).
+samples were judged by the same bucket thresholds (the CUSUM's distribution moves when a bucket's do); the samples
+the drift rule alone flagged count too (else its reading only sees what lies below it and can only fall).
 
-Until a bucket has ``calibration_warmup_tokens`` kept tokens (and as many new ones after
-:meth:`Calibration.forget_centres`), the fixed thresholds apply (centre 0, the warm-up allowance, ``spike_excess``):
-a run broken from step 1 is judged by those, and never feeds its corrupted tokens into the calibration as long as
-the fixed thresholds catch them.
+A bucket's first :data:`CENTRE_WARMUP_TOKENS` kept tokens set its centre and feed nothing else; until its
+histograms then hold ``calibration_warmup_tokens`` tokens, the fixed thresholds apply (around the centre once it is
+set: the warm-up allowance, ``spike_excess``). A run broken from step 1 is judged by those, and never feeds its
+corrupted tokens into the calibration as long as the fixed thresholds catch them. A change of the sampling
+settings starts it all over (:meth:`Calibration.restart`).
 """
 
 from __future__ import annotations
@@ -171,6 +174,22 @@ too few tokens, the reading looks quiet, and the tail's tokens are flagged as th
 quiet; its tokens above the threshold are then flagged (at most ~5 · u / 100,000 of rows with u such tokens per
 row). About 7 steps of the fidelity benchmark's 256 rollouts; the 0.95 decay holds up to 20 steps' worth."""
 
+UNLIKELY_DECAY = 0.99
+"""per step. The histogram of the tokens no side found likely, and their count, decay by this instead of
+``GuardConfig.calibration_decay``: the tail it must rule out is rare, and at the 0.95 decay a quiet run with ~20
+such tokens per sample and 256 samples per step holds ~97,000 of them, never the :data:`UNLIKELY_MIN_TOKENS` it
+needs, so its garbage-low engine logprobs were never judged (the fidelity benchmark's T0.7/top_p0.9 hybrid run: 24
+of 1,000 isolated-spike rows missed, all such tokens); at 0.99 (a memory of ~100 steps) ~490,000. Measured on the
+fidelity benchmark (1,000 faults per condition): isolated spikes missed 513 → 388 of 27,000, single spikes and
+false quarantines unchanged."""
+
+CENTRE_WARMUP_TOKENS = 2_000.0
+"""(decayed) kept tokens of a bucket that set its centre, before which its tokens are judged around 0 and feed
+nothing else. A mean needs far fewer tokens than a tail quantile (``GuardConfig.calibration_warmup_tokens``): with
+healthy spread ≤ 1 nat its standard error is then ≤ 0.02 nats. Only tokens judged around the learned centre feed
+the histograms the thresholds are read from: tokens judged around 0 would put a processed-logprob offset into
+them (top-k = 5: ~1.5 nats on every token) and raise the first calibrated thresholds for the decay window."""
+
 UNLIKELY_MARGIN = 1.5
 """How far above that reading the threshold sits (a factor): the reading is near the largest healthy |x| of the
 calibration window, and a token 1.5 times as far out has not been seen in it."""
@@ -270,6 +289,8 @@ class Calibration:
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
         self._sums = [[0.0] * CALIBRATION_WIDTH for _ in range(NUM_ENGINE_BUCKETS)]
+        self._unlikely = [[0.0] * (1 + NUM_EXCESS_BINS) for _ in range(NUM_ENGINE_BUCKETS)]  # tokens, |x| histogram
+        self._carried = [0.0] * NUM_ENGINE_BUCKETS  # spike thresholds in use before the last restart (nats)
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
         self._variance = [0.0] * NUM_ENGINE_BUCKETS  # of clip(x) around the centre
         self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the centres were last forgotten
@@ -302,9 +323,9 @@ class Calibration:
         return [bucket[0] >= self.config.calibration_warmup_tokens for bucket in self._sums]
 
     def centred_flags(self) -> list[bool]:
-        """Per bucket: enough kept tokens since :meth:`forget_centres` for its centre and drift allowance to be
-        trusted (the same as :meth:`warm_flags` until that is called)."""
-        return [fresh >= self.config.calibration_warmup_tokens for fresh in self._fresh]
+        """Per bucket: enough kept tokens since the start (or :meth:`restart`) for its centre to be in use
+        (:data:`CENTRE_WARMUP_TOKENS`); only then do its tokens feed the histograms."""
+        return [fresh >= CENTRE_WARMUP_TOKENS for fresh in self._fresh]
 
     def calibrated_flags(self) -> list[bool]:
         """Per bucket: judged by its calibration, i.e. enough kept tokens and, since its centre was last forgotten,
@@ -312,16 +333,21 @@ class Calibration:
         renormalisation offset as spikes, and the rows they flag would never re-centre it)."""
         return [w and c for w, c in zip(self.warm_flags(), self.centred_flags(), strict=True)]
 
-    def forget_centres(self) -> None:
-        """Start the centres and the drift allowances over: until a bucket has ``calibration_warmup_tokens`` new
-        kept tokens, its centre is 0 and its allowance the warm-up one, then both are learned from the new tokens
-        alone; meanwhile the bucket's spike thresholds are the uncalibrated ones too, then read again from the
-        histograms, which are kept. For a change the offset of d follows at once (other top-k/top-p settings: the
-        processed logprobs' renormalisation offset moves by ~0.7 nats on some rows)."""
-        self._forget_readings()
-        self._fresh = [0.0] * NUM_ENGINE_BUCKETS
-        self._centre = [0.0] * NUM_ENGINE_BUCKETS
-        self._forget_drift()
+    def restart(self) -> None:
+        """Start the calibration over, as at the first step: centres, spreads, histograms and the drift reading
+        (for a change of the sampling settings, after which the offset of d and its spread both move: top-k/top-p
+        renormalisation). Until a bucket is calibrated again, its spike threshold is the larger of
+        ``spike_excess`` and the one it had before the restart: a bucket whose healthy noise needed more keeps it
+        through the warm-up (measured on the fidelity benchmark's pooled hybrid-tail stream, whose setting changes
+        nine times: 13 → 10 false quarantines of 8,064), and one whose noise needed less is judged as at the
+        start. Keeping the histograms instead (read against the new centres) left thresholds read from the old
+        setting's noise: after a change to top-k = 20 in a top-k = 5 stream, 5–15 % of healthy rows were flagged
+        for ten steps."""
+        values, flags = self.threshold_values(), self.calibrated_flags()
+        carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
+        announced = self._announced
+        self.__init__(self.config)  # every piece of state, fresh
+        self._announced, self._carried = announced, carried
 
     def _forget_readings(self) -> None:
         """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
@@ -384,8 +410,9 @@ class Calibration:
         fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess, inf
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
         warm = self.calibrated_flags()
+        centre = [c if u else 0.0 for c, u in zip(self._centre, self.centred_flags(), strict=True)]
         if not any(warm):
-            return fixed
+            return centre, fixed[1], [max(fixed_spike, c) for c in self._carried], fixed[3]
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
@@ -400,12 +427,12 @@ class Calibration:
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
             read = q if n >= MIN_SPIKE_CANDIDATES else min(gaussian_bound(math.sqrt(v), alpha), fixed_spike)
             spike.append(max(read, floor) if w else fixed_spike)
-        centre = [c if w else 0.0 for c, w in zip(self._centre, warm, strict=True)]
+        spike = [s if w else max(s, c) for s, w, c in zip(spike, warm, self._carried, strict=True)]  # see restart
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
                      for v, w in zip(self._variance, warm, strict=True)]
         cap = config.spike_excess if config.spike_excess is not None else math.inf
-        unlikely = [unlikely_spike_threshold(bucket[UNLIKELY_HISTOGRAM:], bucket[0] - bucket[3], cap, floor) if w
-                    else math.inf for bucket, w in zip(self._sums, warm, strict=True)]
+        unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor) if w
+                    else math.inf for bucket, w in zip(self._unlikely, warm, strict=True)]
         return centre, allowance, spike, unlikely
 
     def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None) -> None:
@@ -415,24 +442,24 @@ class Calibration:
         self._forget_readings()
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
-        # the step's tokens were centred with the centre then in use (0 before warm-up): move them to absolute d
+        # the step's tokens were centred with the centre then in use (0 before it is set): move them to absolute d
         centred = self.centred_flags()
-        # a bucket re-learning its centre (after forget_centres) adds nothing to the sums the spike thresholds read:
-        # its x are off by the whole change of offset (top-k=5: ~1.4 nats on every token), and a step of such values
-        # raised the thresholds for the decay window (measured: single spikes 99.5 → 91.6 % in a pooled top-k=5
-        # stream whose sampling setting changed, announced, twenty times)
-        relearning = [w and not c for w, c in zip(self.warm_flags(), centred, strict=True)]
-        if not all(relearning):
+        # a bucket still learning its centre adds nothing to the sums the thresholds read: its x are off by the
+        # whole offset (top-k=5: ~1.5 nats on every token; see CENTRE_WARMUP_TOKENS)
+        if any(centred):
             self.rows = self.rows * decay + kept_rows
         for k, (step, sums) in enumerate(zip(rows, self._sums, strict=True)):
             tokens = step[0]
             mean_then = step[1] / max(tokens, 1.0)
             variance_then = max(step[2] / max(tokens, 1.0) - mean_then**2, 0.0)
-            if not relearning[k]:
+            if centred[k]:
                 self._sums[k] = [value * decay + added for value, added in zip(sums, step, strict=True)]
+                added = [step[0] - step[3], *step[UNLIKELY_HISTOGRAM:]]  # the tokens no side found likely
+                self._unlikely[k] = [value * UNLIKELY_DECAY + new
+                                     for value, new in zip(self._unlikely[k], added, strict=True)]
             self._fresh[k] = self._fresh[k] * decay + tokens
             if self._fresh[k] > 0:
-                weight = tokens / max(self._fresh[k], 1e-12)  # 1 on the first step after forget_centres
+                weight = tokens / max(self._fresh[k], 1e-12)  # 1 on the first step after a restart
                 new_mean = (self._centre[k] if centred[k] else 0.0) + mean_then
                 self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
@@ -449,13 +476,18 @@ class Calibration:
     def state_dict(self) -> dict:
         return {"sums": [list(bucket) for bucket in self._sums], "centre": list(self._centre),
                 "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh),
-                "drift": list(self._drift), "drift_rows": self._drift_rows}
+                "drift": list(self._drift), "drift_rows": self._drift_rows,
+                "unlikely": [list(bucket) for bucket in self._unlikely], "carried": list(self._carried)}
 
     def load_state_dict(self, state: dict) -> None:
         self._forget_readings()
         # a checkpoint from before the histogram of unlikely tokens: that histogram starts empty (not judged)
         self._sums = [[float(value) for value in bucket] + [0.0] * (CALIBRATION_WIDTH - len(bucket))
                       for bucket in state["sums"]]
+        # a checkpoint from before the slower unlikely-token memory: it starts from the sums' copy
+        self._unlikely = [[float(value) for value in bucket] for bucket in state.get(
+            "unlikely", [[bucket[0] - bucket[3], *bucket[UNLIKELY_HISTOGRAM:]] for bucket in self._sums])]
+        self._carried = [float(value) for value in state.get("carried", [0.0] * NUM_ENGINE_BUCKETS)]
         self._centre = [float(value) for value in state["centre"]]
         self._variance = [float(value) for value in state["variance"]]
         self.rows = float(state["rows"])

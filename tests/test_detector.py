@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollout_guard import calibration as calibration_module
 from rollout_guard.calibration import Calibration
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
@@ -135,7 +136,8 @@ def test_calibration_absorbs_a_systematic_offset_and_keeps_catching_corruption()
     assert uncalibrated.inspect(offset_batch(generator, 32, 64, 1.5, []), step=1).suspect.all()
 
 
-def test_a_run_broken_from_step_one_does_not_teach_the_calibration_its_corruption():
+def test_a_run_broken_from_step_one_does_not_teach_the_calibration_its_corruption(monkeypatch):
+    monkeypatch.setattr(calibration_module, "CENTRE_WARMUP_TOKENS", 100.0)  # the centres set by step 1's tokens
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=500)
     generator = torch.Generator().manual_seed(1)
     guard = RolloutGuard(config)
@@ -143,7 +145,8 @@ def test_a_run_broken_from_step_one_does_not_teach_the_calibration_its_corruptio
         evidence = offset_batch(generator, 16, 64, offset=0.0, corrupt=list(range(8)))  # half the batch broken
         assert guard.inspect(evidence, step=step).suspect.tolist() == evidence.injected.tolist()
     assert float(guard.calibration.thresholds().centre.abs().max()) < 0.1
-    assert guard.calibration.rows == pytest.approx(8 * (1 + 0.95 + 0.95**2))
+    # step 1 sets the centres and feeds nothing else; steps 2 and 3 feed their 8 kept rows each
+    assert guard.calibration.rows == pytest.approx(8 * (1 + 0.95))
 
 
 def test_calibration_state_round_trip_and_identical_on_two_ranks():
@@ -240,7 +243,8 @@ def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_
         contribution[bucket, 4 + where] = candidates
     calibration = Calibration(config)
     calibration.announced = True  # told the sampling settings: the configured floor applies
-    calibration.update(contribution, kept_rows=100.0)
+    calibration.update(contribution, kept_rows=100.0)  # sets the centres
+    calibration.update(contribution, kept_rows=100.0)  # feeds the histograms
     spike = calibration.threshold_values()[2]
     assert spike[0] == config.calibrated_spike_floor  # quiet tokens, few candidates: the floor, not 8+ nats
     assert spike[1] > 8.0  # enough candidates: calibrated on what it saw
@@ -362,9 +366,9 @@ SETTINGS = ("temperature=1.0", "top_p=1.0")  # what the TRL adapter hands over e
 
 def test_the_drift_threshold_is_the_runs_own_once_calibrated():
     """A quiet run's healthy CUSUM stays near 0: told its sampling settings, the guard's drift threshold falls to
-    the floor (3 nats) and a short late drift (8 tokens 1.1 nats off: CUSUM 4.8) is caught that the fixed 6 nats
+    the floor (3.5 nats) and a short late drift (8 tokens 1.1 nats off: CUSUM 4.8) is caught that the fixed 6 nats
     miss; 4 such tokens (2.4) are not; it survives a checkpoint; never told the settings, a guard keeps the fixed
-    one; forgetting the centres restarts it at the fixed one."""
+    one; a restart starts it at the fixed one."""
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
     fixed = RolloutGuard(GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, calibrated_drift_floor=6.0))
     guard = RolloutGuard(config)
@@ -373,7 +377,7 @@ def test_the_drift_threshold_is_the_runs_own_once_calibrated():
         evidence = gaussian_candidates(generator, 256, 64, sigma=0.05)
         assert not guard.inspect(evidence, step=step, sampling=SETTINGS).suspect.any()
         fixed.inspect(evidence, step=step, sampling=SETTINGS)
-    assert guard.calibration.drift_threshold_value() == pytest.approx(3.0)
+    assert guard.calibration.drift_threshold_value() == pytest.approx(3.5)
     assert fixed.calibration.drift_threshold_value() == pytest.approx(6.0)
     late = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=8, gap=1.1)
     assert guard.inspect(late, step=9, sampling=SETTINGS).suspect.tolist() == late.injected.tolist()
@@ -411,3 +415,105 @@ def test_a_noisy_runs_drift_threshold_stays_above_its_healthy_cusum():
     assert thresholds[0] == 6.0 and thresholds[9] == config.calibrated_drift_floor, thresholds
     assert sum(flagged[:24]) == 0 and sum(flagged) <= 8, (flagged, thresholds)
     assert min(thresholds[-10:]) > config.calibrated_drift_floor
+
+
+def test_a_processed_logprob_offset_does_not_reach_the_first_calibrated_thresholds():
+    """Top-k renormalisation puts the engine ~1.5 nats above the trainer on every token. The tokens judged before
+    a bucket's centre is known sit 1.5 nats off, and fed into the histograms they raised the first calibrated spike
+    threshold to 3.0 nats (a 2.9-nat spike missed for the decay window). A bucket's first tokens set its centre
+    and feed nothing else, so the threshold read from the next ones is the floor and the spike is caught."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(12)
+
+    def offset_rows(batch: int) -> RolloutEvidence:
+        evidence = gaussian_candidates(generator, batch, 64, sigma=0.1)
+        return RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs,
+                               trainer_logprobs=evidence.trainer_logprobs - 1.5)
+
+    for step in range(1, 8):
+        assert not guard.inspect(offset_rows(256), step=step, sampling=SETTINGS).suspect.any()
+    assert guard.calibration.calibrated_flags()[2]
+    assert guard.calibration.threshold_values()[2][2] == pytest.approx(config.calibrated_spike_floor)
+    spiked = offset_rows(8)
+    trainer = spiked.trainer_logprobs.clone()
+    trainer[3, 20] = spiked.engine_logprobs[3, 20] - 1.5 - 2.9  # 2.9 nats beyond the offset
+    injected = torch.zeros(8, dtype=torch.bool)
+    injected[3] = True
+    report = guard.inspect(RolloutEvidence(mask=spiked.mask, engine_logprobs=spiked.engine_logprobs,
+                                           trainer_logprobs=trainer), step=8, sampling=SETTINGS)
+    assert report.suspect.tolist() == injected.tolist()
+
+
+def test_a_change_to_noisier_settings_restarts_the_histograms_and_keeps_the_old_thresholds_as_floors():
+    """Twelve steps of quiet tokens (σ = 0.1 nats: spike threshold at the 1.5-nat floor), then, announced, a
+    setting whose healthy spread is 0.5 nats around another offset (top-k = 20 after top-p = 1). Read against the
+    new centre, histograms kept from the first setting would judge it by the 1.5-nat floor (3 σ: ~16 % of its rows
+    flagged); restarted, each bucket is judged by max(spike_excess, its old threshold) until its new histograms
+    hold enough tokens, then by the new setting's own reading. No healthy row flagged in the ten steps after."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(13)
+    for step in range(1, 13):
+        assert not guard.inspect(gaussian_candidates(generator, 256, 64, sigma=0.1), step=step,
+                                 sampling=("top_k=0",)).suspect.any()
+    before = guard.calibration.threshold_values()[2][2]
+    assert before == pytest.approx(config.calibrated_spike_floor)
+    flagged = 0
+    for step in range(13, 23):
+        noisier = gaussian_candidates(generator, 256, 64, sigma=0.5)
+        noisier = RolloutEvidence(mask=noisier.mask, engine_logprobs=noisier.engine_logprobs,
+                                  trainer_logprobs=noisier.trainer_logprobs - 0.7)
+        report = guard.inspect(noisier, step=step, sampling=("top_k=20",))
+        flagged += int(report.suspect.sum())
+        if step == 13:  # judged right after the restart: the uncalibrated threshold, not the old floor
+            assert guard.calibration_resets == 1
+    assert flagged == 0, f"{flagged} of 2,560 healthy rows flagged after the change"
+    assert guard.calibration.calibrated_flags()[2]
+    assert guard.calibration.threshold_values()[2][2] > 2.0  # the new setting's own reading (σ = 0.5)
+    restored = RolloutGuard(config)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.calibration.threshold_values() == guard.calibration.threshold_values()
+
+
+def test_a_restart_keeps_a_noisy_buckets_threshold_through_the_warm_up():
+    """A bucket whose healthy noise needed more than ``spike_excess`` keeps that threshold while it re-learns."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    calibration = Calibration(config)
+    calibration.announced = True
+    contribution = torch.zeros(NUM_ENGINE_BUCKETS, calibration_module.CALIBRATION_WIDTH, dtype=torch.float64)
+    edges = calibration_module.EXCESS_EDGES
+    contribution[:, 0] = 30000.0
+    contribution[:, 3] = 30000.0  # every token a candidate
+    contribution[:, 4 + edges.index(1.0)] = 6000.0  # 20 % near 1 nat
+    contribution[:, 4 + edges.index(4.0)] = 900.0  # 3 % near 4 nats: a tail read far above spike_excess
+    calibration.update(contribution, kept_rows=500.0)  # sets the centres
+    calibration.update(contribution, kept_rows=500.0)
+    read = calibration.threshold_values()[2]
+    assert min(read) > config.spike_excess
+    calibration.restart()
+    assert calibration.calibrated_flags() == [False] * NUM_ENGINE_BUCKETS
+    assert calibration.threshold_values()[2] == read  # carried, not dropped to spike_excess
+    assert calibration.threshold_values()[0] == [0.0] * NUM_ENGINE_BUCKETS  # centres start over
+
+
+def test_the_drift_reading_sees_the_rows_its_own_rule_flagged():
+    """1.5 % of healthy rows drift 1 nat for 8 tokens (CUSUM ≈ 4 nats, under every spike threshold). Read only from
+    the rows it kept, the drift threshold could fall below them once (its first reading rests on 2 % of ~1,000
+    rows) and then never see them again: they were flagged for good. Counting the rows the drift rule alone
+    flagged, the reading sees them and sits above them."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(14)
+    flagged = 0
+    for step in range(1, 41):
+        evidence = gaussian_candidates(generator, 256, 64, sigma=0.05)
+        trainer = evidence.trainer_logprobs.clone()
+        drifting = torch.randperm(256, generator=generator)[:4]
+        trainer[drifting, -8:] = evidence.engine_logprobs[drifting, -8:] - 1.0
+        report = guard.inspect(RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs,
+                                               trainer_logprobs=trainer), step=step, sampling=SETTINGS)
+        if step > 20:
+            flagged += int(report.suspect.sum())
+    assert guard.calibration.drift_threshold_value() > 4.5
+    assert flagged == 0, f"{flagged} of 5,120 healthy rows flagged in steps 21-40"
