@@ -83,8 +83,9 @@ def conditions(table, seed: int, step_rows: int) -> list[tuple[str, Rollouts, di
             clean = from_table(clean_table, name)
             real_faults = {f"real_{fault}": from_table(part.filter(pc.equal(part.column("fault"), fault)), name)
                            for fault in sorted(set(part.column("fault").to_pylist()) - {"none"})}
-            for fault, rows in real_faults.items():
-                pooled_faults.setdefault(fault, []).append(rows)
+            for fault, rows in real_faults.items():  # in the pooled stream, sampled under this setting
+                pooled_faults.setdefault(fault, []).append(
+                    replace(rows, setting=torch.full((len(rows),), len(pooled_clean), dtype=torch.long)))
             out.append((name, clean, real_faults, lambda rows: rows, {"noise": "real (as measured)", **noise.describe(clean)}))
             pooled_clean.append(clean)
         if not pooled_clean:
@@ -201,6 +202,10 @@ def main(
     faults_per_condition: int = typer.Option(2000, help="rollouts per synthetic fault kind per condition"),
     step_rows: int = typer.Option(256, help="rollouts per training step"),
     fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream"),
+    warmup_steps: int = typer.Option(20, help="steps of a setting (phase 1's, then resampled clean rows with "
+                                     "fault_share of faults) before phase 2 judges that setting's other faults"),
+    dense_phase2: bool = typer.Option(False, help="phase 2 moves the guard on with its whole steps (a quarter "
+                                      "faults: the calibration fed the missed ones at that density)"),
     mask_truncated: bool = typer.Option(False, help="as TRL's mask_truncated_completions=True: truncated rows' loss mask is zero"),
     announce_sampling: bool = typer.Option(True, help="tell the guard each step's sampling setting, as the TRL adapter "
                                            "does (a change restarts its calibration); off: the pooled streams change "
@@ -221,20 +226,24 @@ def main(
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
-                        mask_truncated=mask_truncated, device=device, announce_sampling=announce_sampling)
+                        mask_truncated=mask_truncated, device=device, announce_sampling=announce_sampling,
+                        warmup_steps=warmup_steps, dense_phase2=dense_phase2)
         judged_all.append(judged)
         f = figures(judged, config)
         results.append({"condition": name, "params": params, "figures": f})
         clean_f = f["clean"]
         worst = min((v["recall"], k) for k, v in f.items() if k != "clean") if len(f) > 1 else (math.nan, "-")
-        print(f"{name}: clean {clean_f['rows']} rows, false {_cell(clean_f, 'false')} {clean_f['rules']}; "
+        again = clean_f["resampled"]
+        print(f"{name}: clean {clean_f['rows']} rows, false {_cell(clean_f, 'false')} {clean_f['rules']} "
+              f"(resampled: {again['false']} of {again['judged']} judgements); "
               f"lowest recall {100 * worst[0]:.2f} % ({worst[1]})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     all_pass = all(v["pass"] for r in results for v in r["figures"].values())
     summary = {
         "preset": preset_name, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
         "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows,
-        "fault_share": fault_share, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling,
+        "fault_share": fault_share, "warmup_steps": warmup_steps,
+        "dense_phase2": dense_phase2, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling,
         "seed": seed,
         "goal": {"recall": GOAL_RECALL, "false_rate": GOAL_FALSE_RATE}, "all_pass": all_pass,
         "seconds": round(time.perf_counter() - started, 1), "results": results,

@@ -34,10 +34,14 @@ DATA = sorted(glob.glob(str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parq
 # isolated 0.92, single 0.91, truncated 0.92, real context swap 0.98; false as before. After the fifth's (spike
 # floor 1.5, calibrated drift threshold, both only when told the sampling settings, as replay now does for every
 # condition): moderate 0.804, late onset 0.754, isolated 0.921, single 0.911, truncated 0.943, real context swap
-# 0.981; false as before.)
+# 0.981; false as before. After the sixth's (replay: each setting judged after 20 steps of it, the guard moved on
+# with the stream's fault share; restarts on a setting change; centres before histograms; drift floor 3.5):
+# moderate 0.928, late onset 0.89, isolated 0.943, single 0.977, truncated 0.969, real context swap 1.0; false:
+# real 0, dense tail 0, hybrid tail 0.0011, top-k 0. Release 0.1 on the same replay: late onset 0.19, single
+# 0.63, isolated 0.81, false 1.6 / 4.3 / 100 % under the three noise models.)
 RECALL_AT_LEAST = {
-    "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.75, "late_onset": 0.7,
-    "isolated_spikes": 0.85, "single_spike": 0.85, "truncated_gibberish": 0.8, "real_context_swap": 0.9,
+    "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.85, "late_onset": 0.8,
+    "isolated_spikes": 0.9, "single_spike": 0.93, "truncated_gibberish": 0.9, "real_context_swap": 0.9,
     "real_late_onset": 0.9,
 }
 FALSE_AT_MOST = {"real": 0.0, "tail_dense7b": 0.005, "tail_hybrid7b": 0.005, "topk5_high_entropy": 0.005}

@@ -75,78 +75,127 @@ def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, dev
 
 def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, generator: torch.Generator,
            step_rows: int = 256, fault_share: float = 0.02, mask_truncated: bool = False,
-           make_guard=None, device: str = "cpu", announce_sampling: bool = True) -> Judged:
+           make_guard=None, device: str = "cpu", announce_sampling: bool = True, warmup_steps: int = 20,
+           dense_phase2: bool = False) -> Judged:
     """Feed one noise condition to a fresh guard as a stream of training steps.
 
     Phase 1 streams every clean row once, in data order, ``step_rows`` per step, with ``fault_share`` of each step
-    taken from the faulty pools (round-robin over fault kinds), so calibration sees a realistic fault rate.
-    Phase 2 judges the remaining faulty rows, a quarter of each step, beside resampled clean rows that fill the
-    step and are not counted (false quarantines are counted on unique clean rows only).
-    ``mask_truncated``: TRL's ``mask_truncated_completions=True`` zeroes truncated rows' loss mask before the guard.
-    With ``announce_sampling`` the guard is told each phase-1 step's sampling setting, as the TRL adapter does every
-    step (the same one throughout for a single-setting condition); a pooled stream (``clean.setting``) changes
-    setting between steps: phase 1 cuts its steps where the setting changes; phase 2 mixes settings within a step
-    and passes none (the guard carries on with what it was last told).
+    taken from the faulty pools (round-robin over fault kinds), so calibration sees a realistic fault rate; its
+    clean rows are the ones whose false quarantines count. A pooled stream (``clean.setting``) changes sampling
+    setting between steps: phase 1 cuts its steps where the setting changes, and its faults are those sampled
+    under the step's setting. With ``announce_sampling`` the guard is told each step's setting, as the TRL adapter
+    does every step (a change restarts its calibration).
+
+    Phase 2 judges the remaining faulty rows setting by setting (the last one of phase 1 first): for each, while
+    the guard has seen fewer than ``warmup_steps`` steps of that setting since it changed to it (a short condition,
+    or a setting phase 2 comes back to), steps like phase 1's from resampled clean rows; then steps whose quarter
+    are faults, beside resampled clean rows. Resampled clean rows are judged (their false quarantines are reported
+    apart, per judgement) but not counted with the unique ones. Every fault is counted, warm-up steps included.
+
+    A quarter of faults per step is ~250 times the rate reported for real stale-state corruption (about one prompt
+    in a thousand), and the guard calibrates on the rows it keeps, so the faults it misses would feed its
+    calibration at that density. Unless ``dense_phase2``, each such step is therefore judged as it stands (those
+    are the verdicts counted), then the guard's state is put back and the step judged again with only
+    ``fault_share`` of faults among its clean rows, which is what moves the guard on: its calibration sees faults
+    at the same rate as in phase 1. ``dense_phase2``: the guard moves on with the whole step.
     """
     guard = make_guard(config) if make_guard is not None else RolloutGuard(config, device=device)
     judged = Judged()
     names = list(faulty)
-    cursors = dict.fromkeys(names, 0)
     clean = clean.rows(torch.argsort(clean.step, stable=True))  # data order, so each step is a slice
+    setting = _settings(clean)
+    pools = {(name, value): faulty[name].rows(_settings(faulty[name]) == value)
+             for name in names for value in setting.unique().tolist()}
+    cursors = dict.fromkeys(pools, 0)
     per_step_faults = max(1, round(fault_share * step_rows)) if names else 0
     turn = 0
+    step = 0
 
-    def take_faults(count: int) -> tuple[list[Rollouts], list[str]]:
-        """``count`` faulty rows, round-robin over the fault kinds that have rows left (one slice per kind)."""
+    def left(value: int) -> bool:
+        return any(cursors[name, value] < len(pools[name, value]) for name in names)
+
+    def take_faults(count: int, value: int) -> tuple[list[Rollouts], list[str]]:
+        """``count`` faulty rows of setting ``value``, round-robin over the fault kinds that have rows left."""
         nonlocal turn
         wanted = dict.fromkeys(names, 0)
         for _ in range(count):
-            left = [name for name in names if cursors[name] + wanted[name] < len(faulty[name])]
-            if not left:
+            kinds = [name for name in names if cursors[name, value] + wanted[name] < len(pools[name, value])]
+            if not kinds:
                 break
-            wanted[left[turn % len(left)]] += 1
+            wanted[kinds[turn % len(kinds)]] += 1
             turn += 1
         parts, labels = [], []
         for name, number in wanted.items():
             if number:
-                parts.append(faulty[name].rows(slice(cursors[name], cursors[name] + number)))
+                cursor = cursors[name, value]
+                parts.append(pools[name, value].rows(slice(cursor, cursor + number)))
                 labels += [name] * number
-                cursors[name] += number
+                cursors[name, value] += number
         return parts, labels
 
-    def judge(parts: list[Rollouts], labels: list[str], counted: torch.Tensor, step: int, sampling=None) -> None:
-        rows = cat(parts)
+    def judge(fill: Rollouts, unique: bool, faults: int, value: int, feed: int | None = None) -> None:
+        """One step: ``fill`` clean rows (counted when ``unique``) and ``faults`` faulty rows of setting ``value``;
+        with ``feed``, the guard then moves on with the clean rows and only ``feed`` of the faults."""
+        nonlocal step
+        step += 1
+        parts, labels = take_faults(faults, value)
+        rows = cat([fill, *parts])
+        labels = ["clean"] * len(fill) + labels
+        counted = torch.tensor([unique] * len(fill) + [True] * (len(labels) - len(fill)))
         injected = torch.tensor([label != "clean" for label in labels])
+        sampling = (value,) if announce_sampling else None
+        state = guard.state_dict() if feed is not None else None
         report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step, sampling=sampling)
         judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.drift_threshold)
+        if state is not None:
+            guard.load_state_dict(state)
+            count = len(labels) - len(fill)  # spread over the step's faults (they come grouped by kind), turning
+            chosen = (torch.arange(min(feed, count)) * count // max(feed, 1) + step) % max(count, 1)
+            keep = torch.cat([torch.arange(len(fill)), len(fill) + chosen])
+            guard.inspect(_evidence(rows.rows(keep), injected[keep], not mask_truncated, device), step=step,
+                          sampling=sampling)
 
-    step = 0
     clean_step_rows = step_rows - per_step_faults
-    setting = clean.setting if clean.setting is not None else torch.zeros(len(clean), dtype=torch.long)
     changes = (torch.nonzero(setting[1:] != setting[:-1]).flatten() + 1).tolist()
+    since_change = 0
     for run_start, run_stop in zip([0, *changes], [*changes, len(clean)], strict=True):  # one setting each
-        sampling = (int(setting[run_start]),) if announce_sampling else None  # one setting: the same every step
+        value = int(setting[run_start])
+        since_change = 0
         for start in range(run_start, run_stop, clean_step_rows):
-            index = slice(start, min(start + clean_step_rows, run_stop))
-            parts, labels = take_faults(per_step_faults)
-            parts = [clean.rows(index), *parts]
-            labels = ["clean"] * (index.stop - index.start) + labels
-            step += 1
-            judge(parts, labels, torch.ones(len(labels), dtype=torch.bool), step, sampling)
+            judge(clean.rows(slice(start, min(start + clean_step_rows, run_stop))), True, per_step_faults, value)
+            since_change += 1
 
     fill = step_rows - step_rows // 4
-    while any(cursors[name] < len(faulty[name]) for name in names):
-        parts, labels = take_faults(step_rows // 4)
-        index = torch.randint(0, len(clean), (fill,), generator=generator)
-        counted = torch.tensor([False] * fill + [True] * len(labels))
-        step += 1
-        judge([clean.rows(index), *parts], ["clean"] * fill + labels, counted, step)
+    feed = None if dense_phase2 else round(fault_share * fill / (1 - fault_share))  # faults beside the fill
+    last = int(setting[-1]) if len(setting) else 0
+    order = [last] + [value for value in setting.unique().tolist() if value != last]
+    for value in order:
+        if not left(value):
+            continue
+        of_setting = torch.nonzero(setting == value).flatten()
+        since_change = since_change if value == last else 0
+
+        def resampled(count: int, of_setting=of_setting) -> Rollouts:
+            return clean.rows(of_setting[torch.randint(0, len(of_setting), (count,), generator=generator)])
+
+        while since_change < warmup_steps and left(value):
+            judge(resampled(clean_step_rows), False, per_step_faults, value)
+            since_change += 1
+        while left(value):
+            judge(resampled(fill), False, step_rows // 4, value, feed)
+            since_change += 1
     return judged
+
+
+def _settings(rows: Rollouts) -> torch.Tensor:
+    """(B,) int64: each row's sampling setting (0 for all rows of a single-setting condition)."""
+    return rows.setting if rows.setting is not None else torch.zeros(len(rows), dtype=torch.long)
 
 
 def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
     """Recall per fault and false quarantines of clean rows, with Wilson intervals and PASS/FAIL, and which rules
-    fired on the false quarantines and which would have caught the faults."""
+    fired on the false quarantines and which would have caught the faults; apart (``clean.resampled``), the false
+    quarantines among the judgements of resampled clean rows (each row judged again in later steps)."""
     samples, verdict, labels, counted, tokens = judged.rows()
     firings = rule_firings(samples, config, judged.drift_thresholds())
     out: dict[str, dict] = {}
@@ -161,6 +210,10 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
                          "ci": [low, high], "false_per_m_tokens": flagged / max(clean_tokens, 1) * 1e6,
                          "pass": flagged / max(total, 1) <= GOAL_FALSE_RATE, "ci_pass": high <= GOAL_FALSE_RATE,
                          "rules": {rule: int((fired & rows).sum()) for rule, fired in firings.items() if (fired & rows).any()}}
+            again = torch.tensor([label == name for label in labels]) & ~counted  # resampled clean rows
+            out[name]["resampled"] = {"judged": int(again.sum()), "false": int((verdict & again).sum()),
+                                      "rules": {rule: int((fired & again & verdict).sum())
+                                                for rule, fired in firings.items() if (fired & again & verdict).any()}}
         else:
             low, high = wilson(flagged, total)
             out[name] = {"rows": total, "caught": flagged, "recall": flagged / max(total, 1), "ci": [low, high],
