@@ -293,7 +293,7 @@ class Calibration:
         self._carried = [0.0] * NUM_ENGINE_BUCKETS  # spike thresholds in use before the last restart (nats)
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
         self._variance = [0.0] * NUM_ENGINE_BUCKETS  # of clip(x) around the centre
-        self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the centres were last forgotten
+        self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the start or the last restart
         self.rows = 0.0  # decayed count of kept samples
         self._announced = False  # told the sampling settings (see the ``announced`` property)
         self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
@@ -328,9 +328,9 @@ class Calibration:
         return [fresh >= CENTRE_WARMUP_TOKENS for fresh in self._fresh]
 
     def calibrated_flags(self) -> list[bool]:
-        """Per bucket: judged by its calibration, i.e. enough kept tokens and, since its centre was last forgotten,
-        enough new ones (its histograms are of x around the centre: with the centre at 0 they would misread a
-        renormalisation offset as spikes, and the rows they flag would never re-centre it)."""
+        """Per bucket: judged by its calibration, i.e. its centre set and its histograms holding enough tokens
+        judged around it (with the centre at 0 they would misread a renormalisation offset as spikes, and the rows
+        they flag would never re-centre it)."""
         return [w and c for w, c in zip(self.warm_flags(), self.centred_flags(), strict=True)]
 
     def restart(self) -> None:
@@ -411,8 +411,9 @@ class Calibration:
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
         warm = self.calibrated_flags()
         centre = [c if u else 0.0 for c, u in zip(self._centre, self.centred_flags(), strict=True)]
+        uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
         if not any(warm):
-            return centre, fixed[1], [max(fixed_spike, c) for c in self._carried], fixed[3]
+            return centre, fixed[1], uncalibrated, fixed[3]
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
@@ -423,11 +424,10 @@ class Calibration:
         floor = config.calibrated_spike_floor if self._announced else max(config.calibrated_spike_floor,
                                                                             UNANNOUNCED_SPIKE_FLOOR)
         spike = []
-        for q, w, n, v in zip(quantile, warm, candidates, self._variance, strict=True):
+        for q, w, n, v, u in zip(quantile, warm, candidates, self._variance, uncalibrated, strict=True):
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
             read = q if n >= MIN_SPIKE_CANDIDATES else min(gaussian_bound(math.sqrt(v), alpha), fixed_spike)
-            spike.append(max(read, floor) if w else fixed_spike)
-        spike = [s if w else max(s, c) for s, w, c in zip(spike, warm, self._carried, strict=True)]  # see restart
+            spike.append(max(read, floor) if w else u)
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
                      for v, w in zip(self._variance, warm, strict=True)]
         cap = config.spike_excess if config.spike_excess is not None else math.inf
@@ -437,7 +437,8 @@ class Calibration:
 
     def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None) -> None:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
-        kept samples' drift CUSUM, (n,) host tensor of all processes' kept samples (NaN: no token, skipped)."""
+        drift CUSUM of the samples the drift reading sees (kept, or flagged by the drift rule alone), (n,) host
+        tensor over all processes (NaN: no token, skipped)."""
         flags_then = self.calibrated_flags()
         self._forget_readings()
         rows = contribution.double().cpu().tolist()

@@ -34,7 +34,6 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 STATUS_OK, STATUS_INPUT_ERROR, STATUS_FAILURE = 1.0, 0.0, -1.0
 
 
-
 def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
