@@ -32,12 +32,12 @@ And, when the guard is told the sampling settings (:attr:`Calibration.announced`
 threshold: :func:`drift_threshold`, the extrapolated ``1 − false_alarm_budget / 1000`` quantile of the kept
 samples' drift CUSUM (a CUSUM's excursions have an exponential tail, Siegmund), between
 ``GuardConfig.calibrated_drift_floor`` and ``GuardConfig.drift_threshold``, read once :data:`MIN_DRIFT_ROWS` kept
-samples were judged by the same bucket thresholds (the CUSUM's distribution moves when a bucket's do); the samples
+samples were judged with the same kind of allowance per bucket (the CUSUM moves when that changes); the samples
 the drift rule alone flagged count too (else its reading only sees what lies below it and can only fall).
 
-A bucket's first :data:`CENTRE_WARMUP_TOKENS` kept tokens set its centre and feed nothing else; until its
-histograms then hold ``calibration_warmup_tokens`` tokens, the fixed thresholds apply (around the centre once it is
-set: the warm-up allowance, ``spike_excess``). A run broken from step 1 is judged by those, and never feeds its
+A bucket's first :data:`CENTRE_WARMUP_TOKENS` kept tokens set its centre and feed nothing else (judged around 0
+with the warm-up allowance); from then on its drift allowance is its own (a spread needs few tokens), and until its
+histograms hold ``calibration_warmup_tokens`` tokens its spike threshold is the fixed ``spike_excess``. A run broken from step 1 is judged by those, and never feeds its
 corrupted tokens into the calibration as long as the fixed thresholds catch them. A change of the sampling
 settings starts it all over (:meth:`Calibration.restart`).
 """
@@ -240,9 +240,9 @@ samples (3 conditions over 0.1 %); floor 1.5 184 (5); floor 1.5 with the calibra
 22 false quarantines with either (the lower floors catch more: ``GuardConfig.calibrated_spike_floor``)."""
 
 MIN_DRIFT_ROWS = 1000.0
-"""(decayed) kept samples judged by the current bucket thresholds before the drift threshold is read from their
-CUSUM: :func:`extrapolated_quantile` then reads its upper anchor on at least 20 samples (2 %). About 4 steps of
-256 rollouts."""
+"""(decayed) kept samples judged with the current kind of allowance per bucket before the drift threshold is read
+from their CUSUM: :func:`extrapolated_quantile` then reads its upper anchor on at least 20 samples (2 %). About 4
+steps of 256 rollouts."""
 
 
 def drift_threshold(histogram: Sequence[float], rows: float, alpha: float, floor: float, ceiling: float) -> float:
@@ -333,6 +333,12 @@ class Calibration:
         they flag would never re-centre it)."""
         return [w and c for w, c in zip(self.warm_flags(), self.centred_flags(), strict=True)]
 
+    def _own_allowance_flags(self) -> list[bool]:
+        """Per bucket: its drift allowance is read from its own spread, from the step after its centre is set (a
+        spread needs far fewer tokens than a tail quantile, so there is no waiting for ``calibration_warmup_tokens``);
+        before, the warm-up allowance, which must stay above an offset not yet known."""
+        return [c and self.rows > 0 for c in self.centred_flags()]
+
     def restart(self) -> None:
         """Start the calibration over, as at the first step: centres, spreads, histograms and the drift reading
         (for a change of the sampling settings, after which the offset of d and its spread both move: top-k/top-p
@@ -412,15 +418,17 @@ class Calibration:
         warm = self.calibrated_flags()
         centre = [c if u else 0.0 for c, u in zip(self._centre, self.centred_flags(), strict=True)]
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
+        drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
+        tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
+        log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
+        allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if own else fixed_allowance
+                     for v, own in zip(self._variance, self._own_allowance_flags(), strict=True)]
         if not any(warm):
-            return centre, fixed[1], uncalibrated, fixed[3]
+            return centre, allowance, uncalibrated, fixed[3]
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
         quantile = [extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha) for bucket in self._sums]
-        drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
-        tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
-        log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
         floor = config.calibrated_spike_floor if self._announced else max(config.calibrated_spike_floor,
                                                                             UNANNOUNCED_SPIKE_FLOOR)
         spike = []
@@ -428,8 +436,6 @@ class Calibration:
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
             read = q if n >= MIN_SPIKE_CANDIDATES else min(gaussian_bound(math.sqrt(v), alpha), fixed_spike)
             spike.append(max(read, floor) if w else u)
-        allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if w else fixed_allowance
-                     for v, w in zip(self._variance, warm, strict=True)]
         cap = config.spike_excess if config.spike_excess is not None else math.inf
         unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor) if w
                     else math.inf for bucket, w in zip(self._unlikely, warm, strict=True)]
@@ -439,7 +445,7 @@ class Calibration:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
         drift CUSUM of the samples the drift reading sees (kept, or flagged by the drift rule alone), (n,) host
         tensor over all processes (NaN: no token, skipped)."""
-        flags_then = self.calibrated_flags()
+        flags_then = self._own_allowance_flags()
         self._forget_readings()
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
@@ -464,7 +470,7 @@ class Calibration:
                 new_mean = (self._centre[k] if centred[k] else 0.0) + mean_then
                 self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
-        if self.calibrated_flags() != flags_then:  # the next step's CUSUM comes from other bucket thresholds
+        if self._own_allowance_flags() != flags_then:  # the next step's CUSUM comes from other allowances
             self._forget_drift()
         elif kept_drift is not None:
             values = kept_drift.double()

@@ -144,11 +144,12 @@ class GuardConfig:
 
     drift_allowance: float = 0.5
     """nats per token. What ``x`` may average per token on a run before the drift CUSUM grows, once the run's own
-    offset per engine bucket is calibrated; a bucket whose healthy spread is large gets more (see
-    :mod:`rollout_guard.calibration`). Moderate corruption averages ≥ 0.7 nats per token. Default 0.5."""
+    offset per engine bucket is known (its first 2,000 kept tokens); a bucket whose healthy spread is large gets more
+    (see :mod:`rollout_guard.calibration`). Moderate corruption averages ≥ 0.7 nats per token. Default 0.5."""
 
     warmup_drift_allowance: float = 2.0
-    """nats per token. The allowance before calibration (the first steps of a run): above the processed-logprob
+    """nats per token. The allowance while a bucket's offset is unknown (its first 2,000 kept tokens: the first
+    step of a run, or after a change of the sampling settings): above the processed-logprob
     offset of an early, high-entropy policy sampled with top_k=5 (≈ 1.5 nats per token), below confident
     stale-state gibberish (≥ 2 nats per token). Default 2.0."""
 

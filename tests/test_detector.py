@@ -398,12 +398,12 @@ def test_the_drift_threshold_is_the_runs_own_once_calibrated():
 
 
 def test_a_noisy_runs_drift_threshold_stays_above_its_healthy_cusum():
-    """Healthy tokens with σ = 0.7 nats (a top-k = 20 stream's spread of offsets). Before the bucket calibrates
-    (steps 1–14, allowance 2 nats per token) the healthy CUSUM stays under 1.1 nats and the drift threshold read
-    from it is the floor; once the bucket calibrates (allowance 0.5) the CUSUM reaches 3.3–4.8 nats: the histogram
-    starts over and the threshold is the fixed one until it is read again, above the floor, where the healthy
-    samples' CUSUM ends. No healthy row of the 10 steps after the switch is flagged (kept on, the warm-up readings
-    flagged 4 there) and no more of all 7,680 than the goal allows (0.1 %; the drift budget is 0.05 %)."""
+    """Healthy tokens with σ = 0.7 nats (a top-k = 20 stream's spread of offsets). From the step after the centre
+    is set the allowance is the bucket's own (0.5 nats per token) and the healthy CUSUM reaches 3.3–4.8 nats; the
+    threshold is the fixed one until ~1,000 samples were judged with that allowance, then it is read above the floor,
+    where the healthy samples' CUSUM ends. (Before the allowance was the bucket's own from its centre on, the warm-up
+    allowance of 2 nats held until step 15, and the reading from its CUSUM, under 1.1 nats, sat at the floor.) No
+    more of all 7,680 rows flagged than the goal allows (0.1 %; the drift budget is 0.05 %)."""
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=160_000, spike_excess=None)
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(8)
@@ -412,7 +412,7 @@ def test_a_noisy_runs_drift_threshold_stays_above_its_healthy_cusum():
         report = guard.inspect(gaussian_candidates(generator, 256, 64, sigma=0.7), step=step, sampling=SETTINGS)
         flagged.append(int(report.suspect.sum()))
         thresholds.append(report.drift_threshold)
-    assert thresholds[0] == 6.0 and thresholds[9] == config.calibrated_drift_floor, thresholds
+    assert thresholds[0] == 6.0 and min(thresholds) > config.calibrated_drift_floor, thresholds
     assert sum(flagged[:24]) == 0 and sum(flagged) <= 8, (flagged, thresholds)
     assert min(thresholds[-10:]) > config.calibrated_drift_floor
 
@@ -517,3 +517,27 @@ def test_the_drift_reading_sees_the_rows_its_own_rule_flagged():
             flagged += int(report.suspect.sum())
     assert guard.calibration.drift_threshold_value() > 4.5
     assert flagged == 0, f"{flagged} of 5,120 healthy rows flagged in steps 21-40"
+
+
+def test_a_centred_bucket_judges_drift_by_its_own_spread_before_it_calibrates():
+    """Top-k renormalisation: the engine 1.5 nats above the trainer on every token (±0.15). Once a bucket's centre
+    is set (its first 2,000 tokens, step 1 here) the CUSUM allowance is read from its spread (0.5 nats) instead of
+    the warm-up's 2 nats, which must stay above an unknown offset. A row whose last 12 tokens drift 1.2 nats past
+    the offset (CUSUM 12 × 0.7 = 8.4 > 6) is then caught at step 3, long before the bucket calibrates (20,000
+    tokens); with the warm-up allowance it was not (checked). No healthy row is flagged."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(13)
+
+    def offset_rows(batch: int) -> RolloutEvidence:
+        evidence = gaussian_candidates(generator, batch, 48, sigma=0.15)
+        return RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs,
+                               trainer_logprobs=evidence.trainer_logprobs - 1.5)
+
+    for step in (1, 2):
+        assert not guard.inspect(offset_rows(64), step=step, sampling=SETTINGS).suspect.any()
+    assert guard.calibration.centred_flags()[2] and not guard.calibration.calibrated_flags()[2]
+    late = with_late_drift(offset_rows(64), row=5, tokens=12, gap=1.5 + 1.2)
+    report = guard.inspect(late, step=3, sampling=SETTINGS)
+    assert report.suspect.tolist() == late.injected.tolist()
+    assert guard.calibration.threshold_values()[1][2] == pytest.approx(config.drift_allowance)
