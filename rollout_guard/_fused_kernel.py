@@ -61,8 +61,9 @@ def guard_rows(
     min_confident_wrong = tl.load(parameters_ptr + 30)
     drift_threshold = tl.load(parameters_ptr + 31)
     spike_min_trainer_logprob = tl.load(parameters_ptr + 32)
-    delta_edges_ptr = parameters_ptr + 33
-    excess_edges_ptr = parameters_ptr + 33 + NUM_DELTA
+    unlikely_step_clip = tl.load(parameters_ptr + 33)
+    delta_edges_ptr = parameters_ptr + 34
+    excess_edges_ptr = parameters_ptr + 34 + NUM_DELTA
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -142,7 +143,8 @@ def guard_rows(
         clipped = tl.minimum(tl.maximum(excess, clip_low), clip_high)
 
         # CUSUM drawup, carried across blocks: C_t, min(0, min_{j≤t} C_j) and where that minimum was
-        increment = tl.where(both, clipped - allowance, 0.0)
+        steps = tl.where(likely, clipped, tl.minimum(clipped, unlikely_step_clip))
+        increment = tl.where(both, steps - allowance, 0.0)
         block_running = running + tl.cumsum(increment, axis=0)
         block_low, block_low_at = tl.associative_scan((block_running, position), 0, _last_min)
         carried = block_low > low  # a later equal value wins

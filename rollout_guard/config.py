@@ -129,18 +129,20 @@ class GuardConfig:
     """nats. Rule ``drift``: the CUSUM of ``clip(x, −2, 4) − allowance`` over the sample's tokens exceeds the
     drift threshold: this value until the run's own is read (then never above this). Catches corruption from token
     0 at any confidence and corruption that starts late (a CUSUM does not care where a run starts); one healthy
-    tail token moves it by at most 4 nats. Default 6.0."""
+    tail token moves it by at most 4 nats (1.5 if no side found it likely). Default 6.0."""
 
-    calibrated_drift_floor: float = 3.5
-    """nats. Once :data:`rollout_guard.calibration.MIN_DRIFT_ROWS` kept samples were judged by the same bucket
-    thresholds, the drift threshold is the run's own: the extrapolated ``1 − false_alarm_budget / 1000`` quantile of
+    calibrated_drift_floor: float = 2.5
+    """nats. Once :data:`rollout_guard.calibration.MIN_DRIFT_ROWS` kept samples were judged with the same kind of
+    allowance, the drift threshold is the run's own: the extrapolated ``1 − false_alarm_budget / 1000`` quantile of
     the kept samples' CUSUM (:func:`rollout_guard.calibration.drift_threshold`), never below this and never above
-    ``drift_threshold``. At 3.5, one token alone (clipped at 4 nats, less the allowance of ≥ 0.5) can never fire
-    it: a healthy tail token is the spike rules' business, judged against its bucket's own tail. Measured on the
-    fidelity benchmark (1,000 faults per condition, every setting judged after 20 steps of it): at 3.0, 208 of
-    888,995 judgements of resampled healthy rows were flagged by it, 0.13 % in the two dense-7B-tail streams (a
-    tail token in ~1 % of rows, below the reading's 1 % anchor), at 3.5 45 (none over 0.1 %), for 34 more missed
-    late-onset rows (394 → 428 of 27,000) and 9 more moderate ones. Default 3.5."""
+    ``drift_threshold``. At 2.5, one token no side found likely (its CUSUM step clipped at 1.5 nats,
+    :data:`rollout_guard.statistics.UNLIKELY_STEP_CLIP`, less the allowance of ≥ 0.5) can never fire it: a
+    healthy tail token is the spike rules' business, judged against its bucket's own tail. Measured on the fidelity
+    benchmark (1,000 faults per condition, every setting judged after 20 steps of it): with those tokens' steps
+    clipped at 4 nats like the others, a floor of 3.0 flagged 0.16 % of the judgements of healthy rows in the
+    dense-7B-tail streams (a tail token in ~1 % of rows, below the reading's 1 % anchor), so it sat at 3.5; with
+    the clip at 1.5, at 2.5: 28 of 888,995 judgements of resampled healthy rows flagged (61–70 at 3.5 without the
+    clip), late-onset rows missed 387 → 280 of 27,000, moderate ones 126 → 102; at 2.0, 35, 248 and 94. Default 2.5."""
 
     drift_allowance: float = 0.5
     """nats per token. What ``x`` may average per token on a run before the drift CUSUM grows, once the run's own

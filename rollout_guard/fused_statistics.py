@@ -25,7 +25,7 @@ from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.packet import AGGREGATES, MAX_AGGREGATES, PacketLayout, packet_dtype
 from rollout_guard.statistics import (
     _K3_LOG_RATIO_CAP, CALIBRATION_WIDTH, DELTA_BIN_EDGES, ENGINE_BUCKET_EDGES, EXCESS_CLIP, EXCESS_EDGES,
-    NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, Thresholds, to_device,
+    NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, UNLIKELY_STEP_CLIP, Thresholds, to_device,
 )
 from rollout_guard.verdict import RULES
 
@@ -74,9 +74,9 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                       device: torch.device | str, drift_threshold: float | None = None) -> torch.Tensor:
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
     calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike; 16), the config's token
-    thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut (1), the
-    |Δ| and |x| histogram edges as the reference compares them (float32). ``thresholds``: tensors or the
-    calibration's lists of floats; ``drift_threshold``: the calibrated drift threshold in use (nats; default
+    thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut and the CUSUM
+    step clip of tokens no side found likely (2), the |Δ| and |x| histogram edges as the reference compares them
+    (float32). ``thresholds``: tensors or the calibration's lists of floats; ``drift_threshold``: the calibrated drift threshold in use (nats; default
     ``config.drift_threshold``)."""
     drift = config.drift_threshold if config.drift_threshold is None or drift_threshold is None else drift_threshold
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
@@ -84,8 +84,8 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
                _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
-               _threshold(drift), float(config.spike_min_trainer_logprob)]
-    assert len(values) == 33
+               _threshold(drift), float(config.spike_min_trainer_logprob), UNLIKELY_STEP_CLIP]
+    assert len(values) == 34
     return to_device(torch.tensor(values + _EDGE_VALUES, dtype=torch.float32), device)
 
 

@@ -54,6 +54,13 @@ NUM_EXCESS_BINS = len(EXCESS_EDGES)
 CALIBRATION_WIDTH = 4 + 2 * NUM_EXCESS_BINS
 UNLIKELY_HISTOGRAM = 4 + NUM_EXCESS_BINS  # where the histogram of the tokens no side found likely starts
 EXCESS_CLIP = (-2.0, 4.0)  # nats: one token moves the CUSUM by at most this much (before the allowance)
+# nats: the most a token that neither side found likely adds to the drift CUSUM (before the allowance). Healthy
+# large-model runs put their 10–18-nat tails on such tokens, corruption puts tokens one side found likely; one such
+# token then adds at most 1 nat past the allowance, so GuardConfig.calibrated_drift_floor can sit at 2.5. Measured
+# on the fidelity benchmark (1,000 faults per condition): at 4 (as the others) with the floor at 3.5, 12 false of
+# 91,776 unique clean rows and 61-70 of 888,995 resampled judgements, 387 late-onset and 126 moderate missed; at
+# 1.5 with the floor at 2.5, 8, 28, 280 and 102 (real context swaps 7 -> 10 missed of 4,096).
+UNLIKELY_STEP_CLIP = 1.5
 
 _K3_LOG_RATIO_CAP = 30.0  # exp(30) ≈ 1e13 stays finite in float32; larger ratios add nothing to a verdict
 
@@ -196,7 +203,8 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
     over = _masked_max(excess.abs() - torch.where(likely, spike, unlikely_spike), both)
     spike_margin = torch.where(over == -math.inf, nan_row, over)  # no token that can fire (all thresholds +inf)
     clipped = excess.clamp(*EXCESS_CLIP)
-    drift, drift_start = cusum_drawup(clipped - allowance, both)
+    steps = torch.where(likely, clipped, clipped.clamp(max=UNLIKELY_STEP_CLIP))
+    drift, drift_start = cusum_drawup(steps - allowance, both)
     contribution = calibration_contribution(bucket, excess, clipped, both, likely)
     columns = {
         "tokens": valid.sum(dim=-1),

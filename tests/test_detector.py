@@ -106,6 +106,18 @@ def test_one_clipped_healthy_tail_token_never_fires_drift():
     assert not RolloutGuard(config).inspect(rows(engine, trainer), step=1).suspect.any()
 
 
+def test_a_tail_token_no_side_found_likely_moves_the_drift_cusum_by_at_most_its_clip():
+    """Healthy 7B runs put their 10–18-nat tails on tokens both sides find unlikely: such a token's CUSUM step is
+    clipped at 1.5 nats (at 4 it alone reached 3.5 past the allowance, over a 2.5-nat floor), while a token one side
+    found likely still moves it by up to 4 (corruption lives there)."""
+    config = GuardConfig(**ONLY_DETECTOR, spike_excess=None, warmup_drift_allowance=0.0)
+    engine = [[-0.1] * 25 + [-8.0] + [-0.1] * 24, [-0.1] * 50]
+    trainer = [[-0.1] * 25 + [-18.0] + [-0.1] * 24, [-0.1] * 25 + [-5.1] + [-0.1] * 24]  # 10 and 5 nats
+    assert stat(rows(engine, trainer), "drift_cusum", config) == [pytest.approx(1.5), pytest.approx(4.0)]
+    calibrated = GuardConfig(**ONLY_DETECTOR, spike_excess=None)
+    assert 1.5 - calibrated.drift_allowance < calibrated.calibrated_drift_floor
+
+
 def offset_batch(generator: torch.Generator, batch: int, length: int, offset: float, corrupt: list[int]) -> RolloutEvidence:
     """Clean rows whose engine logprob is raised by a processed-logprob offset, plus corrupted rows."""
     trainer = -0.3 - torch.rand(batch, length, generator=generator)
@@ -366,8 +378,8 @@ SETTINGS = ("temperature=1.0", "top_p=1.0")  # what the TRL adapter hands over e
 
 def test_the_drift_threshold_is_the_runs_own_once_calibrated():
     """A quiet run's healthy CUSUM stays near 0: told its sampling settings, the guard's drift threshold falls to
-    the floor (3.5 nats) and a short late drift (8 tokens 1.1 nats off: CUSUM 4.8) is caught that the fixed 6 nats
-    miss; 4 such tokens (2.4) are not; it survives a checkpoint; never told the settings, a guard keeps the fixed
+    the floor (2.5 nats) and a short late drift (8 tokens 1.1 nats off: CUSUM 4.8) is caught that the fixed 6 nats
+    miss; 4 such tokens (2.4, just below the floor) are not; it survives a checkpoint; never told the settings, a guard keeps the fixed
     one; a restart starts it at the fixed one."""
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
     fixed = RolloutGuard(GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, calibrated_drift_floor=6.0))
@@ -377,7 +389,7 @@ def test_the_drift_threshold_is_the_runs_own_once_calibrated():
         evidence = gaussian_candidates(generator, 256, 64, sigma=0.05)
         assert not guard.inspect(evidence, step=step, sampling=SETTINGS).suspect.any()
         fixed.inspect(evidence, step=step, sampling=SETTINGS)
-    assert guard.calibration.drift_threshold_value() == pytest.approx(3.5)
+    assert guard.calibration.drift_threshold_value() == pytest.approx(config.calibrated_drift_floor) == 2.5
     assert fixed.calibration.drift_threshold_value() == pytest.approx(6.0)
     late = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=8, gap=1.1)
     assert guard.inspect(late, step=9, sampling=SETTINGS).suspect.tolist() == late.injected.tolist()
