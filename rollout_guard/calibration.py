@@ -37,8 +37,9 @@ the drift rule alone flagged count too (else its reading only sees what lies bel
 
 A bucket's first :data:`CENTRE_WARMUP_TOKENS` kept tokens set its centre and feed nothing else (judged around 0
 with the warm-up allowance); from then on its drift allowance is its own (a spread needs few tokens), and until its
-histograms hold ``calibration_warmup_tokens`` tokens its spike threshold is the fixed ``spike_excess``. A run broken from step 1 is judged by those, and never feeds its
-corrupted tokens into the calibration as long as the fixed thresholds catch them. A change of the sampling
+histograms hold ``calibration_warmup_tokens`` tokens its spike threshold is the fixed ``spike_excess`` (or the
+larger one it had before a restart). A run broken from step 1 is judged by those, and never feeds its
+corrupted tokens into the calibration as long as they catch them. A change of the sampling
 settings starts it all over (:meth:`Calibration.restart`).
 """
 
