@@ -295,6 +295,7 @@ class Calibration:
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
         self._variance = [0.0] * NUM_ENGINE_BUCKETS  # of clip(x) around the centre
         self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the start or the last restart
+        self._fresh_rows = 0.0  # decayed kept samples since the start or the last restart
         self.rows = 0.0  # decayed count of kept samples
         self._announced = False  # told the sampling settings (see the ``announced`` property)
         self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
@@ -333,12 +334,6 @@ class Calibration:
         judged around it (with the centre at 0 they would misread a renormalisation offset as spikes, and the rows
         they flag would never re-centre it)."""
         return [w and c for w, c in zip(self.warm_flags(), self.centred_flags(), strict=True)]
-
-    def _own_allowance_flags(self) -> list[bool]:
-        """Per bucket: its drift allowance is read from its own spread, from the step after its centre is set (a
-        spread needs far fewer tokens than a tail quantile, so there is no waiting for ``calibration_warmup_tokens``);
-        before, the warm-up allowance, which must stay above an offset not yet known."""
-        return [c and self.rows > 0 for c in self.centred_flags()]
 
     def restart(self) -> None:
         """Start the calibration over, as at the first step: centres, spreads, histograms and the drift reading
@@ -420,10 +415,13 @@ class Calibration:
         centre = [c if u else 0.0 for c, u in zip(self._centre, self.centred_flags(), strict=True)]
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
-        tokens_per_sample = sum(bucket[0] for bucket in self._sums) / max(self.rows, 1.0)
+        tokens_per_sample = (sum(bucket[0] for bucket in self._sums) / self.rows if self.rows > 0
+                             else sum(self._fresh) / max(self._fresh_rows, 1.0))  # before the sums are fed
         log_odds = math.log(1000.0 * max(tokens_per_sample, 1.0) / config.false_alarm_budget)
+        # a bucket's drift allowance is its own from the step after its centre is set (a spread needs far fewer
+        # tokens than a tail quantile); before, the warm-up allowance, above an offset not yet known
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if own else fixed_allowance
-                     for v, own in zip(self._variance, self._own_allowance_flags(), strict=True)]
+                     for v, own in zip(self._variance, self.centred_flags(), strict=True)]
         if not any(warm):
             return centre, allowance, uncalibrated, fixed[3]
         candidates = [bucket[3] for bucket in self._sums]
@@ -446,7 +444,7 @@ class Calibration:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
         drift CUSUM of the samples the drift reading sees (kept, or flagged by the drift rule alone), (n,) host
         tensor over all processes (NaN: no token, skipped)."""
-        flags_then = self._own_allowance_flags()
+        flags_then = self.centred_flags()
         self._forget_readings()
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
@@ -456,6 +454,7 @@ class Calibration:
         # whole offset (top-k=5: ~1.5 nats on every token; see CENTRE_WARMUP_TOKENS)
         if any(centred):
             self.rows = self.rows * decay + kept_rows
+        self._fresh_rows = self._fresh_rows * decay + kept_rows
         for k, (step, sums) in enumerate(zip(rows, self._sums, strict=True)):
             tokens = step[0]
             mean_then = step[1] / max(tokens, 1.0)
@@ -471,7 +470,7 @@ class Calibration:
                 new_mean = (self._centre[k] if centred[k] else 0.0) + mean_then
                 self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
-        if self._own_allowance_flags() != flags_then:  # the next step's CUSUM comes from other allowances
+        if self.centred_flags() != flags_then:  # the next step's CUSUM comes from other allowances
             self._forget_drift()
         elif kept_drift is not None:
             values = kept_drift.double()
@@ -483,7 +482,7 @@ class Calibration:
 
     def state_dict(self) -> dict:
         return {"sums": [list(bucket) for bucket in self._sums], "centre": list(self._centre),
-                "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh),
+                "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh), "fresh_rows": self._fresh_rows,
                 "drift": list(self._drift), "drift_rows": self._drift_rows,
                 "unlikely": [list(bucket) for bucket in self._unlikely], "carried": list(self._carried)}
 
@@ -499,6 +498,7 @@ class Calibration:
         self._centre = [float(value) for value in state["centre"]]
         self._variance = [float(value) for value in state["variance"]]
         self.rows = float(state["rows"])
+        self._fresh_rows = float(state.get("fresh_rows", self.rows))
         self._fresh = [float(value) for value in state.get("fresh", [bucket[0] for bucket in self._sums])]
         # a checkpoint from before the calibrated drift threshold: its histogram starts empty (the fixed one)
         self._drift = [float(value) for value in state.get("drift", [0.0] * NUM_EXCESS_BINS)]

@@ -535,8 +535,9 @@ def test_a_centred_bucket_judges_drift_by_its_own_spread_before_it_calibrates():
     """Top-k renormalisation: the engine 1.5 nats above the trainer on every token (±0.15). Once a bucket's centre
     is set (its first 2,000 tokens, step 1 here) the CUSUM allowance is read from its spread (0.5 nats) instead of
     the warm-up's 2 nats, which must stay above an unknown offset. A row whose last 12 tokens drift 1.2 nats past
-    the offset (CUSUM 12 × 0.7 = 8.4 > 6) is then caught at step 3, long before the bucket calibrates (20,000
-    tokens); with the warm-up allowance it was not (checked). No healthy row is flagged."""
+    the offset (CUSUM 12 × 0.7 = 8.4 > 6) is then caught at step 2, long before the bucket calibrates (20,000
+    tokens); with the warm-up allowance it was not (checked), nor at step 2 while the allowance waited for the
+    first step whose tokens fed the sums (checked). No healthy row is flagged."""
     config = GuardConfig(**ONLY_DETECTOR)
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(13)
@@ -546,10 +547,9 @@ def test_a_centred_bucket_judges_drift_by_its_own_spread_before_it_calibrates():
         return RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs,
                                trainer_logprobs=evidence.trainer_logprobs - 1.5)
 
-    for step in (1, 2):
-        assert not guard.inspect(offset_rows(64), step=step, sampling=SETTINGS).suspect.any()
+    assert not guard.inspect(offset_rows(64), step=1, sampling=SETTINGS).suspect.any()
     assert guard.calibration.centred_flags()[2] and not guard.calibration.calibrated_flags()[2]
     late = with_late_drift(offset_rows(64), row=5, tokens=12, gap=1.5 + 1.2)
-    report = guard.inspect(late, step=3, sampling=SETTINGS)
+    report = guard.inspect(late, step=2, sampling=SETTINGS)
     assert report.suspect.tolist() == late.injected.tolist()
     assert guard.calibration.threshold_values()[1][2] == pytest.approx(config.drift_allowance)
