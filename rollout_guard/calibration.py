@@ -411,8 +411,8 @@ class Calibration:
         config = self.config
         fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess, inf
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
-        warm = self.calibrated_flags()
-        centre = [c if u else 0.0 for c, u in zip(self._centre, self.centred_flags(), strict=True)]
+        warm, centred = self.calibrated_flags(), self.centred_flags()
+        centre = [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)]
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = (sum(bucket[0] for bucket in self._sums) / self.rows if self.rows > 0
@@ -421,7 +421,7 @@ class Calibration:
         # a bucket's drift allowance is its own from the step after its centre is set (a spread needs far fewer
         # tokens than a tail quantile); before, the warm-up allowance, above an offset not yet known
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if own else fixed_allowance
-                     for v, own in zip(self._variance, self.centred_flags(), strict=True)]
+                     for v, own in zip(self._variance, centred, strict=True)]
         if not any(warm):
             return centre, allowance, uncalibrated, fixed[3]
         candidates = [bucket[3] for bucket in self._sums]
@@ -444,12 +444,11 @@ class Calibration:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
         drift CUSUM of the samples the drift reading sees (kept, or flagged by the drift rule alone), (n,) host
         tensor over all processes (NaN: no token, skipped)."""
-        flags_then = self.centred_flags()
         self._forget_readings()
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
         # the step's tokens were centred with the centre then in use (0 before it is set): move them to absolute d
-        centred = self.centred_flags()
+        centred = self.centred_flags()  # as the step's tokens were judged
         # a bucket still learning its centre adds nothing to the sums the thresholds read: its x are off by the
         # whole offset (top-k=5: ~1.5 nats on every token; see CENTRE_WARMUP_TOKENS)
         if any(centred):
@@ -470,7 +469,7 @@ class Calibration:
                 new_mean = (self._centre[k] if centred[k] else 0.0) + mean_then
                 self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
-        if self.centred_flags() != flags_then:  # the next step's CUSUM comes from other allowances
+        if self.centred_flags() != centred:  # the next step's CUSUM comes from other allowances
             self._forget_drift()
         elif kept_drift is not None:
             values = kept_drift.double()
@@ -482,7 +481,8 @@ class Calibration:
 
     def state_dict(self) -> dict:
         return {"sums": [list(bucket) for bucket in self._sums], "centre": list(self._centre),
-                "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh), "fresh_rows": self._fresh_rows,
+                "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh),
+                "fresh_rows": self._fresh_rows,
                 "drift": list(self._drift), "drift_rows": self._drift_rows,
                 "unlikely": [list(bucket) for bucket in self._unlikely], "carried": list(self._carried)}
 

@@ -76,8 +76,8 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
     calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike; 16), the config's token
     thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut and the CUSUM
     step clip of tokens no side found likely (2), the |Δ| and |x| histogram edges as the reference compares them
-    (float32). ``thresholds``: tensors or the calibration's lists of floats; ``drift_threshold``: the calibrated drift threshold in use (nats; default
-    ``config.drift_threshold``)."""
+    (float32). ``thresholds``: tensors or the calibration's lists of floats; ``drift_threshold``: the calibrated
+    drift threshold in use (nats; default ``config.drift_threshold``)."""
     drift = config.drift_threshold if config.drift_threshold is None or drift_threshold is None else drift_threshold
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),

@@ -215,6 +215,15 @@ def gaussian_candidates(generator: torch.Generator, batch: int, length: int, sig
                            trainer_logprobs=trainer.clamp(max=-0.01))
 
 
+def offset_candidates(generator: torch.Generator, batch: int, length: int, sigma: float, offset: float
+                      ) -> RolloutEvidence:
+    """:func:`gaussian_candidates` with the engine ``offset`` nats above the trainer on every token (top-k
+    renormalisation)."""
+    evidence = gaussian_candidates(generator, batch, length, sigma)
+    return RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs,
+                           trainer_logprobs=evidence.trainer_logprobs - offset)
+
+
 def test_the_spike_threshold_does_not_ratchet_down_under_its_own_censoring():
     """The calibration sees kept rows only, so the tail above the threshold in use is always empty: a threshold
     read there sinks step after step (measured: 2.38 nats = 4.0 σ after 40 steps, 6 of the last 1,920 healthy rows
@@ -379,8 +388,8 @@ SETTINGS = ("temperature=1.0", "top_p=1.0")  # what the TRL adapter hands over e
 def test_the_drift_threshold_is_the_runs_own_once_calibrated():
     """A quiet run's healthy CUSUM stays near 0: told its sampling settings, the guard's drift threshold falls to
     the floor (2.5 nats) and a short late drift (8 tokens 1.1 nats off: CUSUM 4.8) is caught that the fixed 6 nats
-    miss; 4 such tokens (2.4, just below the floor) are not; it survives a checkpoint; never told the settings, a guard keeps the fixed
-    one; a restart starts it at the fixed one."""
+    miss; 4 such tokens (2.4, just below the floor) are not; it survives a checkpoint; never told the settings, a
+    guard keeps the fixed one; a restart starts it at the fixed one."""
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
     fixed = RolloutGuard(GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, calibrated_drift_floor=6.0))
     guard = RolloutGuard(config)
@@ -437,17 +446,12 @@ def test_a_processed_logprob_offset_does_not_reach_the_first_calibrated_threshol
     config = GuardConfig(**ONLY_DETECTOR)
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(12)
-
-    def offset_rows(batch: int) -> RolloutEvidence:
-        evidence = gaussian_candidates(generator, batch, 64, sigma=0.1)
-        return RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs,
-                               trainer_logprobs=evidence.trainer_logprobs - 1.5)
-
     for step in range(1, 8):
-        assert not guard.inspect(offset_rows(256), step=step, sampling=SETTINGS).suspect.any()
+        evidence = offset_candidates(generator, 256, 64, sigma=0.1, offset=1.5)
+        assert not guard.inspect(evidence, step=step, sampling=SETTINGS).suspect.any()
     assert guard.calibration.calibrated_flags()[2]
     assert guard.calibration.threshold_values()[2][2] == pytest.approx(config.calibrated_spike_floor)
-    spiked = offset_rows(8)
+    spiked = offset_candidates(generator, 8, 64, sigma=0.1, offset=1.5)
     trainer = spiked.trainer_logprobs.clone()
     trainer[3, 20] = spiked.engine_logprobs[3, 20] - 1.5 - 2.9  # 2.9 nats beyond the offset
     injected = torch.zeros(8, dtype=torch.bool)
@@ -541,15 +545,11 @@ def test_a_centred_bucket_judges_drift_by_its_own_spread_before_it_calibrates():
     config = GuardConfig(**ONLY_DETECTOR)
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(13)
-
-    def offset_rows(batch: int) -> RolloutEvidence:
-        evidence = gaussian_candidates(generator, batch, 48, sigma=0.15)
-        return RolloutEvidence(mask=evidence.mask, engine_logprobs=evidence.engine_logprobs,
-                               trainer_logprobs=evidence.trainer_logprobs - 1.5)
-
-    assert not guard.inspect(offset_rows(64), step=1, sampling=SETTINGS).suspect.any()
+    first = offset_candidates(generator, 64, 48, sigma=0.15, offset=1.5)
+    assert not guard.inspect(first, step=1, sampling=SETTINGS).suspect.any()
     assert guard.calibration.centred_flags()[2] and not guard.calibration.calibrated_flags()[2]
-    late = with_late_drift(offset_rows(64), row=5, tokens=12, gap=1.5 + 1.2)
+    late = with_late_drift(offset_candidates(generator, 64, 48, sigma=0.15, offset=1.5), row=5, tokens=12,
+                           gap=1.5 + 1.2)
     report = guard.inspect(late, step=2, sampling=SETTINGS)
     assert report.suspect.tolist() == late.injected.tolist()
     assert guard.calibration.threshold_values()[1][2] == pytest.approx(config.drift_allowance)
