@@ -301,6 +301,7 @@ class Calibration:
         self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
         self._drift_rows = 0.0  # decayed kept samples since the bucket thresholds last changed kind
         self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
+        self._uncentred: dict[str, torch.Tensor] = {}  # per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
 
@@ -353,7 +354,7 @@ class Calibration:
 
     def _forget_readings(self) -> None:
         """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
-        self._thresholds, self._values, self._drift_value = {}, None, None
+        self._thresholds, self._uncentred, self._values, self._drift_value = {}, {}, None, None
 
     def _forget_drift(self) -> None:
         """The samples' CUSUM depends on the bucket thresholds it was computed with: start its histogram over."""
@@ -391,6 +392,18 @@ class Calibration:
     def warm(self) -> torch.Tensor:
         """(K,) bool: buckets judged by their calibration (:meth:`calibrated_flags`)."""
         return torch.tensor(self.calibrated_flags())
+
+    def uncentred_on(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """(K,) bool on ``device``: the buckets whose centre is not set yet (:meth:`centred_flags`), judged around
+        their batch's own (:func:`rollout_guard.statistics.batch_thresholds`); ``None`` when every bucket's is set.
+        Kept until the next update."""
+        flags = [not centred for centred in self.centred_flags()]
+        if not any(flags):
+            return None
+        key = str(device)
+        if key not in self._uncentred:
+            self._uncentred[key] = to_device(torch.tensor(flags), device)
+        return self._uncentred[key]
 
     def thresholds(self, device: torch.device | str = "cpu") -> Thresholds:
         """The thresholds the next step uses, as (K,) float32 tensors on ``device`` (kept until the next update)."""

@@ -89,6 +89,14 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
     return to_device(torch.tensor(values + _EDGE_VALUES, dtype=torch.float32), device)
 
 
+def with_centres(table: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
+    """A copy of a :func:`kernel_parameters` table with the per-bucket centres and allowances of ``thresholds``
+    (device tensors, e.g. :func:`rollout_guard.statistics.batch_thresholds`'): on the device, no host sync."""
+    table = table.clone()
+    table[: 2 * NUM_ENGINE_BUCKETS] = torch.cat([thresholds.centre, thresholds.allowance]).to(table)
+    return table
+
+
 _EDGE_VALUES = DELTA_BIN_EDGES.float().tolist() + torch.tensor(EXCESS_EDGES, dtype=torch.float32).tolist()
 
 

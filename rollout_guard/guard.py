@@ -23,8 +23,10 @@ from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
-from rollout_guard.packet import PacketLayout, combine_aggregates, empty_packet, reference_packet, step_metrics
-from rollout_guard.statistics import CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS
+from rollout_guard.packet import PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet, step_metrics
+from rollout_guard.statistics import (
+    CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, batch_thresholds,
+)
 from rollout_guard.verdict import RULE_BIT, RULES
 
 logger = logging.getLogger("rollout_guard")
@@ -183,20 +185,28 @@ class RolloutGuard:
 
     def _packet(self, evidence: RolloutEvidence) -> torch.Tensor:
         """This process's packet (:mod:`rollout_guard.packet`): the fused kernel where it applies, else the
-        pure-torch reference."""
+        pure-torch reference. Buckets whose centre the calibration does not know yet are judged around the batch's
+        own (:func:`batch_thresholds`), and the packet's calibration sums moved back to the calibration's centres."""
+        own = self.calibration.uncentred_on(evidence.device)  # None once every bucket's centre is set
+        thresholds = self.calibration.thresholds(evidence.device)
+        shift = None
+        if own is not None:
+            thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own)
         if (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
                 and fused_statistics.available()):
-            thresholds = self.calibration.threshold_values()  # the same object until the next update
+            values = self.calibration.threshold_values()  # the same object until the next update
             drift = self.calibration.drift_threshold_value()
             cached = self._kernel_parameters
-            if (cached is None or cached[0] is not thresholds or cached[1] != drift
+            if (cached is None or cached[0] is not values or cached[1] != drift
                     or cached[2].device != evidence.device):
-                table = fused_statistics.kernel_parameters(self.config, thresholds, evidence.device, drift)
-                cached = (thresholds, drift, table)
+                table = fused_statistics.kernel_parameters(self.config, values, evidence.device, drift)
+                cached = (values, drift, table)
                 self._kernel_parameters = cached
-            return fused_statistics.fused_packet(evidence, self.config, cached[2])
-        return reference_packet(evidence, self.config, self.calibration.thresholds(evidence.device),
-                                self.calibration.drift_threshold_value())
+            table = cached[2] if shift is None else fused_statistics.with_centres(cached[2], thresholds)
+            packet = fused_statistics.fused_packet(evidence, self.config, table)
+        else:
+            packet = reference_packet(evidence, self.config, thresholds, self.calibration.drift_threshold_value())
+        return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
         layout = PacketLayout(batch)

@@ -190,6 +190,35 @@ def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Te
     return metrics
 
 
+def reanchor(packet: torch.Tensor, layout: PacketLayout, shift: torch.Tensor) -> torch.Tensor:
+    """Move the packet's calibration sums from the centres the batch was judged around to the calibration's own
+    (in place; returns the packet): a kept token's ``clip(x)`` around a centre moved by ``s`` is, around the
+    calibration's, ``clip(x) + s``, so per bucket
+
+    .. math:: \\Sigma_1 \\leftarrow \\Sigma_1 + n\\,s,\\qquad \\Sigma_2 \\leftarrow \\Sigma_2 + 2s\\,\\Sigma_1 + n\\,s^2
+
+    (``n`` kept tokens, ``Σ₁ = Σ clip(x)``, ``Σ₂ = Σ clip(x)²``; the histograms are left as they are: a bucket
+    judged around the batch's own centre feeds only its centre and spread, see
+    :func:`rollout_guard.statistics.batch_thresholds`).
+
+    Args:
+        packet: one process's packet.
+        layout: its layout.
+        shift: (NUM_ENGINE_BUCKETS,) nats, on the packet's device.
+
+    >>> layout = PacketLayout(0); packet = torch.zeros(layout.size, dtype=torch.float64)
+    >>> packet[layout.calibration.start : layout.calibration.start + 3] = torch.tensor([10.0, 1.0, 2.0])
+    >>> reanchor(packet, layout, torch.tensor([0.5, 0.0, 0.0, 0.0]))[layout.calibration][:3].tolist()
+    [10.0, 6.0, 5.5]
+    """
+    sums = packet[layout.calibration].view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
+    shift = shift.to(sums.dtype)
+    tokens, first = sums[:, 0].clone(), sums[:, 1].clone()
+    sums[:, 1] = first + tokens * shift
+    sums[:, 2] = sums[:, 2] + 2 * shift * first + tokens * shift * shift
+    return packet
+
+
 def reference_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
                      drift_threshold: float | None = None) -> torch.Tensor:
     """The packet from the pure-torch statistics (:func:`summarise`) and verdict (:func:`judge`), on the

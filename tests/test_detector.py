@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_guard import calibration as calibration_module
+from rollout_guard import statistics as statistics_module
 from rollout_guard.calibration import Calibration
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
@@ -88,7 +89,8 @@ def late_onset(length: int, corrupt: int, gap: float) -> list[float]:
     return [-0.1] * (length - corrupt) + [-0.1 - gap] * corrupt
 
 
-def test_drift_fires_on_late_onset_and_not_just_below():
+def test_drift_fires_on_late_onset_and_not_just_below(monkeypatch):
+    monkeypatch.setattr(statistics_module, "BATCH_CENTRE_MIN_TOKENS", math.inf)  # the warm-up arithmetic alone
     config = GuardConfig(**ONLY_DETECTOR, spike_excess=None)
     # before calibration: allowance 2.0 per token, clip 4 → each 2.9-nat token adds 0.9 nats; threshold 6
     engine = [[-0.1] * 100, [-0.1] * 100]
@@ -132,7 +134,7 @@ def offset_batch(generator: torch.Generator, batch: int, length: int, offset: fl
                            trainer_logprobs=trainer, injected=injected)
 
 
-def test_calibration_absorbs_a_systematic_offset_and_keeps_catching_corruption():
+def test_calibration_absorbs_a_systematic_offset_and_keeps_catching_corruption(monkeypatch):
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
     generator = torch.Generator().manual_seed(0)
     uncalibrated = RolloutGuard(GuardConfig(**ONLY_DETECTOR, warmup_drift_allowance=0.5, calibration_warmup_tokens=10**9))
@@ -144,8 +146,64 @@ def test_calibration_absorbs_a_systematic_offset_and_keeps_catching_corruption()
     centre = guard.calibration.thresholds().centre
     assert guard.calibration.warm().any()
     assert float(centre[guard.calibration.warm()].min()) == pytest.approx(1.5, abs=0.1)
-    # without calibration and with the calibrated allowance, the same offset flags every clean row
+    # without a centre (neither calibrated nor the batch's own) and with the calibrated allowance, the same offset
+    # flags every clean row
+    monkeypatch.setattr(statistics_module, "BATCH_CENTRE_MIN_TOKENS", math.inf)
     assert uncalibrated.inspect(offset_batch(generator, 32, 64, 1.5, []), step=1).suspect.all()
+
+
+def late_drift_batch(generator: torch.Generator, offset: float, corrupt: int | None) -> RolloutEvidence:
+    """32 rows of 64 tokens with a top-p-like offset; ``corrupt``: that row drifts 1 nat per token beyond the
+    offset over its last 30 tokens (no token beyond 4 nats: no spike)."""
+    evidence = offset_batch(generator, 32, 64, offset=offset, corrupt=[])
+    if corrupt is not None:
+        evidence.trainer_logprobs[corrupt, 34:] = evidence.engine_logprobs[corrupt, 34:] - offset - 1.0
+        evidence.injected[corrupt] = True
+    return evidence
+
+
+@pytest.mark.parametrize("when", ["first step", "first step after a change of the sampling settings"])
+def test_a_step_without_known_centres_is_judged_around_the_batchs_own(monkeypatch, when):
+    """Before a bucket's centre is known it was judged around 0 with the warm-up allowance (2 nats per token): a
+    0.5-nat offset plus a 1-nat drift adds −0.5 per token and is never caught. Around the batch's own median
+    (0.5) with its own allowance (0.5) the drift adds 0.5 per token: 15 nats over 30 tokens. The clean rows of
+    the same batch stay clean; the calibration learns the offset itself (the packet's sums are moved back to
+    its centre, 0)."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    generator = torch.Generator().manual_seed(7)
+
+    def judged(centres_of_their_own: bool) -> tuple[list[bool], list[bool], RolloutGuard]:
+        if not centres_of_their_own:
+            monkeypatch.setattr(statistics_module, "BATCH_CENTRE_MIN_TOKENS", math.inf)
+        guard = RolloutGuard(config)
+        if when != "first step":
+            for step in range(1, 4):  # a healthy setting without offset, then a change
+                assert not guard.inspect(offset_batch(generator, 32, 64, 0.0, []), step=step, sampling=(1.0, 1.0, 0)).suspect.any()
+        evidence = late_drift_batch(generator, offset=0.5, corrupt=5)
+        report = guard.inspect(evidence, step=9, sampling=(1.0, 0.9, 0) if when != "first step" else None)
+        return report.suspect.tolist(), evidence.injected.tolist(), guard
+
+    suspect, injected, guard = judged(True)
+    assert suspect == injected
+    assert float(guard.calibration.centre[3]) == pytest.approx(0.5, abs=0.05), "learned from absolute d"
+    suspect, injected, _ = judged(False)
+    assert not any(suspect), "without them, the same batch is judged around 0 at 2 nats per token"
+
+
+def test_a_batch_too_small_keeps_the_warm_up_thresholds():
+    """A bucket with fewer than BATCH_CENTRE_MIN_TOKENS tokens in the batch gets no centre of its own (a median of
+    a few tokens would be noise): 3 rows of 64 tokens = 192 < 200 is judged around 0; 4 rows are not."""
+    from rollout_guard.statistics import BATCH_CENTRE_MIN_TOKENS, batch_thresholds
+
+    assert BATCH_CENTRE_MIN_TOKENS == 200
+    config = GuardConfig()
+    generator = torch.Generator().manual_seed(8)
+    own = torch.ones(NUM_ENGINE_BUCKETS, dtype=torch.bool)
+    for rows, moved in ((3, False), (4, True)):
+        evidence = offset_batch(generator, rows, 64, offset=0.8, corrupt=[])
+        thresholds, shift = batch_thresholds(evidence, config, Thresholds.fixed(config), own)
+        assert (float(shift[3]) == pytest.approx(0.8, abs=0.05)) is moved, rows
+        assert (float(thresholds.allowance[3]) == 2.0) is not moved, rows
 
 
 def test_a_run_broken_from_step_one_does_not_teach_the_calibration_its_corruption(monkeypatch):

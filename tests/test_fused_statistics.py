@@ -153,6 +153,28 @@ def case_histogram_bin_edges(fused):
     assert_same_packet(reference, fused(evidence, config, Thresholds.fixed(config), block=BLOCK), values.shape[0])
 
 
+def case_batch_centres(fused):
+    """A first step (no centre known): the batch's own centres and allowances reach the kernel through its
+    parameter table, and the packet's calibration sums are moved back to the calibration's centres alike."""
+    from rollout_guard.fused_statistics import kernel_parameters, with_centres
+    from rollout_guard.packet import reanchor
+    from rollout_guard.statistics import batch_thresholds
+
+    config = GuardConfig()
+    generator = torch.Generator().manual_seed(5)
+    trainer = -0.2 - 2.5 * torch.rand(12, 120, generator=generator)
+    engine = (trainer + 0.8 + 0.1 * torch.randn(12, 120, generator=generator)).clamp(max=-0.01)  # a top-p offset
+    trainer[2, 60:] = engine[2, 60:] - 0.8 - 1.2  # a late drift of 1.2 nats per token beyond the offset
+    evidence = RolloutEvidence(mask=torch.ones(12, 120, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
+    fixed, layout = Thresholds.fixed(config), PacketLayout(12)
+    judged, shift = batch_thresholds(evidence, config, fixed, torch.ones(4, dtype=torch.bool))
+    assert float(shift.abs().max()) > 0.5, "the batch must move some centre"
+    reference = reanchor(reference_packet(evidence, config, judged), layout, shift)
+    assert reference[layout.reasons].tolist()[2] != 0, "the drift must be caught around the batch's centre"
+    table = with_centres(kernel_parameters(config, fixed, "cpu"), judged)
+    assert_same_packet(reference, reanchor(fused(evidence, config, table, block=BLOCK), layout, shift), 12)
+
+
 CASES = {
     "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
     "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),
@@ -162,6 +184,7 @@ CASES = {
     "trainer logprobs only": lambda fused: case_one_side_only(fused, "trainer"),
     "ties and one block": case_ties_and_one_block,
     "histogram bin edges": case_histogram_bin_edges,
+    "the batch's own centres": case_batch_centres,
 }
 
 
