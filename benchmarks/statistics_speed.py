@@ -10,7 +10,8 @@ warm-up, each ending in a device synchronisation:
   host copies;
 * **guard (reference)**: ``RolloutGuard.inspect`` with ``fused_statistics=False`` (pure torch);
 * **guard (fused)**: ``RolloutGuard.inspect`` with the default config (one Triton kernel on CUDA), and the
-  kernel launch alone (``fused_packet`` + synchronisation).
+  kernel launch alone (``fused_packet`` + synchronisation); and a first step (no centre known, after
+  ``recalibrate``), judged around the batch's own centres (``batch_thresholds``: a few more torch ops).
 
 The guard runs warm (its calibration fed by earlier steps, as in a real run). Before timing, the fused packet is
 checked against the reference packet on the same device (verdicts, counts and histograms exactly; float sums to
@@ -188,6 +189,14 @@ def main() -> None:
                 for block, warps in ((256, 2), (256, 4), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))}
             fused_seconds = time_it(lambda: guard.inspect(evidence, step=next(step)), device, args.repeats)
             row["guard_fused_ms"] = fused_seconds * 1e3
+            fresh = RolloutGuard(GuardConfig(calibration_warmup_tokens=1000), device=device)
+
+            def first_step() -> None:  # no centre known: judged around the batch's own (batch_thresholds)
+                fresh.recalibrate()
+                fresh.inspect(evidence, step=next(step))
+
+            row["guard_fused_first_step_ms"] = time_it(first_step, device, args.repeats) * 1e3
+            row["host_syncs_first_step"] = host_syncs(first_step)
             row["host_syncs_per_step"] = {"guard_fused": host_syncs(lambda: guard.inspect(evidence, step=next(step))),
                                           "guard_reference": host_syncs(lambda: reference_guard.inspect(evidence, step=next(step))),
                                           "trl_ops": host_syncs(lambda: trl_metric_ops(evidence.trainer_logprobs, evidence.engine_logprobs, evidence.mask))}
@@ -218,7 +227,9 @@ def main() -> None:
               f"{row.get('guard_extra_mib', math.nan):>10.2f} {row['input_mib']:>10.1f} {ok:>6}")
     for row in rows_out:
         if "host_syncs_per_step" in row:
-            print(f"host syncs per step at {row['rows']}×{row['tokens_per_row']}: {row['host_syncs_per_step']}")
+            print(f"host syncs per step at {row['rows']}×{row['tokens_per_row']}: {row['host_syncs_per_step']}; "
+                  f"a first step (the batch's own centres): {row['guard_fused_first_step_ms']:.3f} ms, "
+                  f"{row['host_syncs_first_step']} host sync(s)")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"device": name, "torch": torch.__version__, "repeats": args.repeats, "rows": rows_out}, handle, indent=2)

@@ -52,7 +52,8 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import (
-    CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM, Thresholds, to_device,
+    BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM,
+    Thresholds, to_device,
 )
 
 
@@ -393,14 +394,19 @@ class Calibration:
         """(K,) bool: buckets judged by their calibration (:meth:`calibrated_flags`)."""
         return torch.tensor(self.calibrated_flags())
 
-    def uncentred_on(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """(K,) bool on ``device``: the buckets whose centre is not set yet (:meth:`centred_flags`), judged around
-        their batch's own (:func:`rollout_guard.statistics.batch_thresholds`); ``None`` when every bucket's is set.
-        Kept until the next update."""
-        flags = [not centred for centred in self.centred_flags()]
+    def uncentred_on(self, device: torch.device | str = "cpu", batch: int = 0) -> torch.Tensor | None:
+        """(K,) bool on ``device``: the buckets whose centre is not set yet (:meth:`centred_flags`), to be judged
+        around their batch's own (:func:`rollout_guard.statistics.batch_thresholds`); ``None`` when there is none.
+        After the first step since the start (or :meth:`restart`), only those whose kept tokens so far promise at
+        least half of :data:`~rollout_guard.statistics.BATCH_CENTRE_MIN_TOKENS` in a batch of ``batch`` rows: a
+        bucket that rare stays uncentred for good and would pay the batch's pass (~1 ms per step on an H200) for
+        nothing. Kept until the next update."""
+        per_row = [fresh / self._fresh_rows if self._fresh_rows > 0 else math.inf for fresh in self._fresh]
+        flags = [not centred and batch * tokens >= BATCH_CENTRE_MIN_TOKENS / 2
+                 for centred, tokens in zip(self.centred_flags(), per_row, strict=True)]
         if not any(flags):
             return None
-        key = str(device)
+        key = f"{device}:{flags}"
         if key not in self._uncentred:
             self._uncentred[key] = to_device(torch.tensor(flags), device)
         return self._uncentred[key]

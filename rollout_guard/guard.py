@@ -187,7 +187,7 @@ class RolloutGuard:
         """This process's packet (:mod:`rollout_guard.packet`): the fused kernel where it applies, else the
         pure-torch reference. Buckets whose centre the calibration does not know yet are judged around the batch's
         own (:func:`batch_thresholds`), and the packet's calibration sums moved back to the calibration's centres."""
-        own = self.calibration.uncentred_on(evidence.device)  # None once every bucket's centre is set
+        own = self.calibration.uncentred_on(evidence.device, evidence.batch_size)  # None: every centre is set
         thresholds = self.calibration.thresholds(evidence.device)
         shift = None
         if own is not None:

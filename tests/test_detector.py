@@ -611,3 +611,18 @@ def test_a_centred_bucket_judges_drift_by_its_own_spread_before_it_calibrates():
     report = guard.inspect(late, step=2, sampling=SETTINGS)
     assert report.suspect.tolist() == late.injected.tolist()
     assert guard.calibration.threshold_values()[1][2] == pytest.approx(config.drift_allowance)
+
+
+def test_a_bucket_too_rare_for_a_centre_of_its_own_skips_the_batchs_pass():
+    """After the first step, an uncentred bucket whose kept tokens so far promise fewer than half of
+    BATCH_CENTRE_MIN_TOKENS per batch is not sent to batch_thresholds (it would pay its pass for nothing); the first
+    step after a restart always is."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(9)
+    assert guard.calibration.uncentred_on("cpu", 32).tolist() == [True] * NUM_ENGINE_BUCKETS  # nothing known yet
+    guard.inspect(offset_batch(generator, 128, 64, 0.5, []), step=1)  # every token in the upper two buckets
+    assert guard.calibration.centred_flags() == [False, False, True, True]
+    assert guard.calibration.uncentred_on("cpu", 64) is None, "buckets 0 and 1 saw no token"
+    guard.recalibrate()
+    assert guard.calibration.uncentred_on("cpu", 64).tolist() == [True] * NUM_ENGINE_BUCKETS
