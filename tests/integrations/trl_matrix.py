@@ -198,7 +198,10 @@ def run(name: str, out: Path, model: str, steps: int) -> None:
             guarded.settings = GroupSettings.of(trainer)
             used_settings.append((trainer.scale_rewards, trainer.multi_objective_aggregation))
         if name == "span" and state.process_index == 1 and step == 4:  # this process's replica differs from TRL
-            guarded.settings = replace(guarded.settings, scale_rewards="none")
+            # one group of the whole global batch (12 rows): differs from TRL's groups of 4 whenever the step's
+            # rewards differ at all (scale_rewards="none" did not when every group's rewards were equal: TRL's and
+            # the replica's advantages were then all 0, as at step 4 with transformers 5.17)
+            guarded.settings = replace(guarded.settings, group_size=3 * guarded.settings.group_size)
             faults["replica"] = step
         return guarded_generate(inputs)
 
