@@ -151,9 +151,11 @@ class GuardConfig:
 
     warmup_drift_allowance: float = 2.0
     """nats per token. The allowance while a bucket's offset is unknown (its first 2,000 kept tokens: the first
-    step of a run, or after a change of the sampling settings): above the processed-logprob
-    offset of an early, high-entropy policy sampled with top_k=5 (≈ 1.5 nats per token), below confident
-    stale-state gibberish (≥ 2 nats per token). Default 2.0."""
+    step of a run, or after a change of the sampling settings) and its batch holds too few of its tokens for a
+    centre of its own (:func:`rollout_guard.statistics.batch_thresholds`), judged around 0: above the
+    processed-logprob offset of an early, high-entropy policy sampled with top_k=5 (≈ 1.5 nats per token), below
+    confident stale-state gibberish (≥ 2 nats per token). Also the most a batch's own allowance may be, so that the
+    spread of its corrupted rows cannot loosen it further. Default 2.0."""
 
     false_alarm_budget: float = 0.5
     """expected false ``directional_spike`` firings per 1,000 clean samples, from which each bucket's calibrated

@@ -626,3 +626,21 @@ def test_a_bucket_too_rare_for_a_centre_of_its_own_skips_the_batchs_pass():
     assert guard.calibration.uncentred_on("cpu", 64) is None, "buckets 0 and 1 saw no token"
     guard.recalibrate()
     assert guard.calibration.uncentred_on("cpu", 64).tolist() == [True] * NUM_ENGINE_BUCKETS
+
+
+def test_the_drift_reading_restarts_when_a_bucket_gets_its_centre():
+    """The samples' CUSUM depends on the allowance each bucket had; when a bucket's centre is set its allowance
+    changes kind (warm-up or the batch's own → its calibrated one), so the CUSUMs read before do not describe the
+    ones to come: the drift histogram starts over at that step, and fills on the next."""
+    from rollout_guard.statistics import CALIBRATION_WIDTH
+
+    calibration = Calibration(GuardConfig())
+    calibration.announced = True
+    step = torch.zeros(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH, dtype=torch.float64)
+    step[3, 0] = 3000.0  # one bucket's tokens: enough to set its centre (CENTRE_WARMUP_TOKENS)
+    cusums = torch.full((100,), 1.0)
+    calibration.update(step, 100.0, cusums)
+    assert calibration.centred_flags() == [False, False, False, True]
+    assert calibration._drift_rows == 0.0 and sum(calibration._drift) == 0.0
+    calibration.update(step, 100.0, cusums)
+    assert calibration._drift_rows == pytest.approx(100.0) and sum(calibration._drift) == pytest.approx(100.0)
