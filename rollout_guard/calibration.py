@@ -232,6 +232,20 @@ def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: flo
     return max(floor, UNLIKELY_MARGIN * quiet) if quiet <= cap else math.inf
 
 
+UNANNOUNCED_FOLLOW: float | None = 0.25
+"""nats. A guard that is never told the sampling settings (:attr:`Calibration.announced` False) judges a bucket
+around its batch's own median wherever that lies more than this from the calibrated centre
+(:func:`rollout_guard.statistics.batch_thresholds`' ``follow``; the calibration then learns the new offset over its
+decay window): an unannounced change of the settings, or a policy whose entropy jumps, moves every token's offset
+at once, and the drift rule fired on whole steps of healthy rows. Measured on the fidelity benchmark, never told
+(1,000 faults per condition): false quarantines 114 → 35 of 122,368 unique clean judgements, pooled streams over
+0.1 % 5 → 1 (hybrid-seed1 top_k = 5, 0.12 %, its spike thresholds still the old setting's), resampled judgements
+flagged 112 → 67 of 888,995, no fault missed more (at 0.15: 34 and 46, late onset 15 more missed). ``None``: off.
+The price is the batch's pass every step (~1 ms on an H200). A median more than ``warmup_drift_allowance`` away
+is not followed (a bucket mostly corrupted, not an offset: a run broken in half its rows would otherwise carry the
+centre off; same figures). Not for a guard that is told the settings: it restarts where they change."""
+
+
 UNANNOUNCED_SPIKE_FLOOR = 2.0
 """nats. The calibrated spike floor of a guard that is never told the sampling settings (:attr:`Calibration.
 announced` False): it cannot restart its calibration where they change, and a change it is not told of shifts
@@ -410,6 +424,11 @@ class Calibration:
         if key not in self._uncentred:
             self._uncentred[key] = to_device(torch.tensor(flags), device)
         return self._uncentred[key]
+
+    def follow(self) -> float | None:
+        """How far (nats) a batch's median may lie from a calibrated centre before the batch is judged around its
+        own (:data:`UNANNOUNCED_FOLLOW` for a guard that is not told the sampling settings; ``None``: never)."""
+        return None if self._announced else UNANNOUNCED_FOLLOW
 
     def thresholds(self, device: torch.device | str = "cpu") -> Thresholds:
         """The thresholds the next step uses, as (K,) float32 tensors on ``device`` (kept until the next update)."""

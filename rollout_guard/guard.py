@@ -186,12 +186,15 @@ class RolloutGuard:
     def _packet(self, evidence: RolloutEvidence) -> torch.Tensor:
         """This process's packet (:mod:`rollout_guard.packet`): the fused kernel where it applies, else the
         pure-torch reference. Buckets whose centre the calibration does not know yet are judged around the batch's
-        own (:func:`batch_thresholds`), and the packet's calibration sums moved back to the calibration's centres."""
+        own (:func:`batch_thresholds`), and so are those whose batch median moved away from it when the guard is not
+        told the sampling settings (:meth:`Calibration.follow`); the packet's calibration sums are then moved back
+        to the calibration's centres."""
         own = self.calibration.uncentred_on(evidence.device, evidence.batch_size)  # None: every centre is set
+        follow = self.calibration.follow()  # None when told the sampling settings
         thresholds = self.calibration.thresholds(evidence.device)
         shift = None
-        if own is not None:
-            thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own)
+        if own is not None or follow is not None:
+            thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own, follow)
         if (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
                 and fused_statistics.available()):
             values = self.calibration.threshold_values()  # the same object until the next update

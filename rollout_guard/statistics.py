@@ -163,7 +163,7 @@ nats each."""
 
 
 def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
-                     own: torch.Tensor) -> tuple[Thresholds, torch.Tensor]:
+                     own: torch.Tensor | None, follow: float | None = None) -> tuple[Thresholds, torch.Tensor]:
     """The thresholds a batch is judged with when some buckets' centres are not known yet (the first step of a
     run, or after a change of the sampling settings): for those buckets (``own``), the batch's own centre and drift
     allowance, where the batch holds enough of their tokens (:data:`BATCH_CENTRE_MIN_TOKENS`):
@@ -181,14 +181,21 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     its rows, 4 nats per token, is judged around the healthy half with ``a_w``, as before). Without a centre of
     its own, such a step was judged around 0 with ``a_w``: corruption averaging less than ``a_w`` per token went
     unseen (measured on the fidelity benchmark: most truncated gibberish and a third of the moderate-confidence
-    faults it missed). Everything stays on the device (no host sync). Also returns each bucket's centre shift for :func:`rollout_guard.packet.reanchor`: the calibration
-    learns around the centres it sets, not these.
+    faults it missed). Everything stays on the device (no host sync). With ``follow`` (nats), a bucket whose centre
+    is set is judged around the batch's median where that lies more than ``follow`` and at most
+    ``warmup_drift_allowance`` (a_w) from it (its allowance and spike threshold stay; a median further out is no
+    offset a change of the settings makes but a batch mostly corrupted in that bucket — a run broken in half its
+    rows at 4 nats per token, as in the tests — which must not carry the centre off): a guard that is not told the sampling settings
+    (:data:`rollout_guard.calibration.UNANNOUNCED_FOLLOW`) cannot restart its calibration where they change, and a
+    change moves every token's offset at once. Also returns each bucket's centre shift for
+    :func:`rollout_guard.packet.reanchor`: the calibration learns around the centres it sets, not these.
 
     Args:
         evidence: the batch (engine and trainer logprobs).
         config: the guard's settings.
         thresholds: (K,) thresholds from the calibration.
-        own: (K,) bool on the evidence's device: the buckets whose centre is not known.
+        own: (K,) bool on the evidence's device: the buckets whose centre is not known (``None``: none).
+        follow: nats, or ``None``: calibrated centres are kept whatever the batch's median.
     Returns:
         the thresholds to judge with, and (K,) float32 shifts (0 where unchanged).
 
@@ -224,9 +231,13 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     horizon = config.drift_threshold if config.drift_threshold is not None else math.inf
     allowance = (variance * torch.log(1000.0 * per_row / config.false_alarm_budget) / (2 * horizon)).clamp(
         min=config.drift_allowance, max=max(config.warmup_drift_allowance, config.drift_allowance))
-    use = own.to(device) & (count >= BATCH_CENTRE_MIN_TOKENS)
+    own = own.to(device) if own is not None else torch.zeros(NUM_ENGINE_BUCKETS, dtype=torch.bool, device=device)
+    use = own & (count >= BATCH_CENTRE_MIN_TOKENS)
     calibrated = thresholds.centre.to(device=device, dtype=torch.float32)
     centre = torch.where(use, median, calibrated)
+    if follow is not None:  # a centre that is set, but the batch's median has moved away from it (not too far)
+        moved = ((median - calibrated).abs() > follow) & ((median - calibrated).abs() <= config.warmup_drift_allowance)
+        centre = torch.where(~own & (count >= BATCH_CENTRE_MIN_TOKENS) & moved, median, centre)
     judged = Thresholds(centre, torch.where(use, allowance, thresholds.allowance.to(device=device, dtype=torch.float32)),
                         thresholds.spike.to(device), thresholds.unlikely_spike.to(device))
     return judged, centre - calibrated

@@ -644,3 +644,27 @@ def test_the_drift_reading_restarts_when_a_bucket_gets_its_centre():
     assert calibration._drift_rows == 0.0 and sum(calibration._drift) == 0.0
     calibration.update(step, 100.0, cusums)
     assert calibration._drift_rows == pytest.approx(100.0) and sum(calibration._drift) == pytest.approx(100.0)
+
+
+def test_a_guard_not_told_the_settings_follows_an_offset_that_jumps(monkeypatch):
+    """Never told the sampling settings, a guard cannot restart where they change: its centres stay those of the
+    old setting, and a 0.7-nat jump of every token's offset (say top_p = 1 → top_k = 20) adds 0.2 nats per token
+    past the 0.5-nat allowance — 12.8 nats over 64 tokens, every clean row over the drift threshold. Around the
+    batch's own median (it lies more than UNANNOUNCED_FOLLOW from the centre) none is, and a row that drifts 1 nat
+    per token beyond the new offset over 30 tokens is still caught."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(10)
+
+    def jumped(follow: float | None) -> tuple[list[bool], list[bool]]:
+        monkeypatch.setattr(calibration_module, "UNANNOUNCED_FOLLOW", follow)
+        guard = RolloutGuard(config)
+        for step in range(1, 4):
+            assert not guard.inspect(offset_batch(generator, 128, 64, 0.0, []), step=step).suspect.any()
+        assert guard.calibration.centred_flags()[2:] == [True, True] and not guard.calibration.announced
+        evidence = late_drift_batch(generator, offset=0.7, corrupt=5)
+        return guard.inspect(evidence, step=4).suspect.tolist(), evidence.injected.tolist()
+
+    suspect, injected = jumped(0.25)
+    assert suspect == injected
+    suspect, _ = jumped(None)
+    assert sum(suspect) >= 30, "without following, the clean rows of the step are flagged"
