@@ -13,7 +13,8 @@ warm-up, each ending in a device synchronisation:
   kernel launch alone (``fused_packet`` + synchronisation); and a first step (no centre known, after
   ``recalibrate``), judged around the batch's own centres (``batch_thresholds``: a few more torch ops).
 
-The guard runs warm (its calibration fed by earlier steps, as in a real run). Before timing, the fused packet is
+The guard runs warm (its calibration fed by earlier steps, as in a real run) and is told the sampling settings,
+as the TRL adapter tells it (a guard never told them pays the first step's extra pass every step). Before timing, the fused packet is
 checked against the reference packet on the same device (verdicts, counts and histograms exactly; float sums to
 float32 rounding). Also printed: the guard's extra device memory (peak above its inputs) against its inputs.
 
@@ -34,6 +35,8 @@ from guard_overhead import make_batch, time_it as _time_it  # this folder's shar
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
 from rollout_guard.packet import PacketLayout, reference_packet
 from rollout_guard.statistics import COLUMN
+
+SAMPLING = ("temperature=1", "top_p=1", "top_k=0")  # told the settings, as the TRL adapter tells it every step
 
 
 def trl_metric_ops(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor, completion_mask: torch.Tensor,
@@ -98,10 +101,11 @@ def host_syncs(fn) -> int:
     return sum("synchroniz" in str(warning.message) for warning in caught)
 
 
-def warm_guard(config: GuardConfig, evidence: RolloutEvidence, device: torch.device, steps: int) -> RolloutGuard:
+def warm_guard(config: GuardConfig, evidence: RolloutEvidence, device: torch.device, steps: int,
+               sampling: tuple | None = SAMPLING) -> RolloutGuard:
     guard = RolloutGuard(config, device=device)
     for step in range(1, steps + 1):
-        guard.inspect(evidence, step=step)
+        guard.inspect(evidence, step=step, sampling=sampling)
     return guard
 
 
@@ -169,7 +173,7 @@ def main() -> None:
         # warm calibration: 64 tokens per sample would take many steps at small sizes; 8 steps at these sizes
         reference_guard = warm_guard(GuardConfig(fused_statistics=False, calibration_warmup_tokens=1000), evidence, device, 8)
         step = iter(range(100, 10**9))
-        reference_seconds = time_it(lambda: reference_guard.inspect(evidence, step=next(step)), device, args.repeats)
+        reference_seconds = time_it(lambda: reference_guard.inspect(evidence, step=next(step), sampling=SAMPLING), device, args.repeats)
         row = {"rows": rows, "tokens_per_row": length, "tokens": rows * length, "trl_ops_ms": trl_seconds * 1e3,
                "guard_reference_ms": reference_seconds * 1e3}
         input_bytes = sum(t.element_size() * t.numel() for t in (evidence.mask, evidence.engine_logprobs, evidence.trainer_logprobs))
@@ -187,22 +191,25 @@ def main() -> None:
                 f"{block}/{warps}": time_it(lambda: fused_statistics.fused_packet(evidence, guard.config, parameters, block, warps),
                                             device, args.repeats) * 1e3
                 for block, warps in ((256, 2), (256, 4), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))}
-            fused_seconds = time_it(lambda: guard.inspect(evidence, step=next(step)), device, args.repeats)
+            fused_seconds = time_it(lambda: guard.inspect(evidence, step=next(step), sampling=SAMPLING), device, args.repeats)
             row["guard_fused_ms"] = fused_seconds * 1e3
             fresh = RolloutGuard(GuardConfig(calibration_warmup_tokens=1000), device=device)
 
             def first_step() -> None:  # no centre known: judged around the batch's own (batch_thresholds)
                 fresh.recalibrate()
-                fresh.inspect(evidence, step=next(step))
+                fresh.inspect(evidence, step=next(step), sampling=SAMPLING)
 
             row["guard_fused_first_step_ms"] = time_it(first_step, device, args.repeats) * 1e3
+            untold = warm_guard(GuardConfig(calibration_warmup_tokens=1000), evidence, device, 8, sampling=None)
+            row["guard_fused_untold_ms"] = time_it(lambda: untold.inspect(evidence, step=next(step)), device,
+                                                   args.repeats) * 1e3  # never told: the batch's pass every step
             row["host_syncs_first_step"] = host_syncs(first_step)
-            row["host_syncs_per_step"] = {"guard_fused": host_syncs(lambda: guard.inspect(evidence, step=next(step))),
-                                          "guard_reference": host_syncs(lambda: reference_guard.inspect(evidence, step=next(step))),
+            row["host_syncs_per_step"] = {"guard_fused": host_syncs(lambda: guard.inspect(evidence, step=next(step), sampling=SAMPLING)),
+                                          "guard_reference": host_syncs(lambda: reference_guard.inspect(evidence, step=next(step), sampling=SAMPLING)),
                                           "trl_ops": host_syncs(lambda: trl_metric_ops(evidence.trainer_logprobs, evidence.engine_logprobs, evidence.mask))}
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-            guard.inspect(evidence, step=next(step))
+            guard.inspect(evidence, step=next(step), sampling=SAMPLING)
             row["guard_extra_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
@@ -229,6 +236,7 @@ def main() -> None:
         if "host_syncs_per_step" in row:
             print(f"host syncs per step at {row['rows']}×{row['tokens_per_row']}: {row['host_syncs_per_step']}; "
                   f"a first step (the batch's own centres): {row['guard_fused_first_step_ms']:.3f} ms, "
+                  f"never told the settings: {row['guard_fused_untold_ms']:.3f} ms, "
                   f"{row['host_syncs_first_step']} host sync(s)")
     if args.out:
         with open(args.out, "w") as handle:
