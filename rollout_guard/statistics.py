@@ -172,22 +172,26 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
               a_k = \\min\\Big(a_w,\\ \\max\\Big(\\textit{drift\\_allowance},\\ \\frac{\\sigma_k^2\\,\\ln(1000\\,L/\\beta)}{2h}\\Big)\\Big)
 
     with ``d = engine − trainer`` over this process's compared tokens of bucket ``k``, clipped to
-    :data:`EXCESS_CLIP` and rounded to a grid of :data:`BATCH_CENTRE_GRID` cells (one histogram gives all three); σ² the variance of clip(d) there,
-    ``L`` compared tokens per row, β ``false_alarm_budget`` and ``h`` ``drift_threshold``: the allowance
-    :class:`~rollout_guard.calibration.Calibration` gives a centred bucket, never above ``a_w``
-    (``warmup_drift_allowance``, what the bucket had without its own centre). All rows count (their verdicts are
-    not known yet), so the median: corrupted rows move it only by the quantile they displace, and a batch must be
-    mostly corrupted to carry it off; their spread does raise σ², hence the cap (a run broken from step 1 in half
-    its rows, 4 nats per token, is judged around the healthy half with ``a_w``, as before). Without a centre of
-    its own, such a step was judged around 0 with ``a_w``: corruption averaging less than ``a_w`` per token went
-    unseen (measured on the fidelity benchmark: most truncated gibberish and a third of the moderate-confidence
-    faults it missed). Everything stays on the device (no host sync). With ``follow`` (nats), a bucket whose centre
-    is set is judged around the batch's median where that lies more than ``follow`` and at most
-    ``warmup_drift_allowance`` (a_w) from it (its allowance and spike threshold stay; a median further out is no
-    offset a change of the settings makes but a batch mostly corrupted in that bucket — a run broken in half its
-    rows at 4 nats per token, as in the tests — which must not carry the centre off): a guard that is not told the sampling settings
-    (:data:`rollout_guard.calibration.UNANNOUNCED_FOLLOW`) cannot restart its calibration where they change, and a
-    change moves every token's offset at once. Also returns each bucket's centre shift for
+    :data:`EXCESS_CLIP` and rounded to a grid of :data:`BATCH_CENTRE_GRID` cells (one histogram gives all three);
+    σ² the variance of clip(d) there, ``L`` compared tokens per row, β ``false_alarm_budget`` and ``h``
+    ``drift_threshold``: the allowance :class:`~rollout_guard.calibration.Calibration` gives a centred bucket, never
+    above ``a_w`` (``warmup_drift_allowance``, what the bucket had without a centre of its own).
+
+    All rows count (their verdicts are not known yet), hence the median: corrupted rows move it only by the
+    quantile they displace, and a batch must be mostly corrupted in a bucket to carry it off; their spread does
+    raise σ², hence the cap (a run broken from step 1 in half its rows, 4 nats per token, is judged around the
+    healthy half with ``a_w``, as before). Without a centre of its own, such a step was judged around 0 with
+    ``a_w``: corruption averaging less than ``a_w`` per token went unseen (measured on the fidelity benchmark: most
+    truncated gibberish and a third of the moderate-confidence faults it missed).
+
+    With ``follow`` (nats), a bucket whose centre is set is judged around the batch's median where that lies more
+    than ``follow`` and at most ``a_w`` from it (its allowance and spike threshold stay): a guard that is not told
+    the sampling settings (:data:`rollout_guard.calibration.UNANNOUNCED_FOLLOW`) cannot restart its calibration
+    where they change, and a change moves every token's offset at once. A median further out is no offset a change
+    of the settings makes but a bucket mostly corrupted (half the rows at 4 nats per token, in the tests), which
+    must not carry the centre off.
+
+    Everything stays on the device (no host sync). Also returns each bucket's centre shift for
     :func:`rollout_guard.packet.reanchor`: the calibration learns around the centres it sets, not these.
 
     Args:
@@ -238,8 +242,8 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     if follow is not None:  # a centre that is set, but the batch's median has moved away from it (not too far)
         moved = ((median - calibrated).abs() > follow) & ((median - calibrated).abs() <= config.warmup_drift_allowance)
         centre = torch.where(~own & (count >= BATCH_CENTRE_MIN_TOKENS) & moved, median, centre)
-    judged = Thresholds(centre, torch.where(use, allowance, thresholds.allowance.to(device=device, dtype=torch.float32)),
-                        thresholds.spike.to(device), thresholds.unlikely_spike.to(device))
+    allowance = torch.where(use, allowance, thresholds.allowance.to(device=device, dtype=torch.float32))
+    judged = Thresholds(centre, allowance, thresholds.spike.to(device), thresholds.unlikely_spike.to(device))
     return judged, centre - calibrated
 
 
