@@ -191,12 +191,16 @@ class RolloutGuard:
         to the calibration's centres."""
         own = self.calibration.uncentred_on(evidence.device, evidence.batch_size)  # None: every centre is set
         follow = self.calibration.follow()  # None when told the sampling settings
-        thresholds = self.calibration.thresholds(evidence.device)
+        batch_centres = own is not None or follow is not None
+        fused = (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
+                 and fused_statistics.available())
+        # the threshold tensors on the device: for the reference path, or to replace the batch's centres in; the
+        # fused path otherwise reads its cached parameter table only
+        thresholds = self.calibration.thresholds(evidence.device) if batch_centres or not fused else None
         shift = None
-        if own is not None or follow is not None:
+        if batch_centres:
             thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own, follow)
-        if (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
-                and fused_statistics.available()):
+        if fused:
             values = self.calibration.threshold_values()  # the same object until the next update
             drift = self.calibration.drift_threshold_value()
             cached = self._kernel_parameters

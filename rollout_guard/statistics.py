@@ -236,12 +236,14 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     allowance = (variance * torch.log(1000.0 * per_row / config.false_alarm_budget) / (2 * horizon)).clamp(
         min=config.drift_allowance, max=max(config.warmup_drift_allowance, config.drift_allowance))
     own = own.to(device) if own is not None else torch.zeros(NUM_ENGINE_BUCKETS, dtype=torch.bool, device=device)
-    use = own & (count >= BATCH_CENTRE_MIN_TOKENS)
+    enough = count >= BATCH_CENTRE_MIN_TOKENS
+    use = own & enough
     calibrated = thresholds.centre.to(device=device, dtype=torch.float32)
     centre = torch.where(use, median, calibrated)
     if follow is not None:  # a centre that is set, but the batch's median has moved away from it (not too far)
-        moved = ((median - calibrated).abs() > follow) & ((median - calibrated).abs() <= config.warmup_drift_allowance)
-        centre = torch.where(~own & (count >= BATCH_CENTRE_MIN_TOKENS) & moved, median, centre)
+        distance = (median - calibrated).abs()
+        moved = (distance > follow) & (distance <= config.warmup_drift_allowance)
+        centre = torch.where(~own & enough & moved, median, centre)
     allowance = torch.where(use, allowance, thresholds.allowance.to(device=device, dtype=torch.float32))
     judged = Thresholds(centre, allowance, thresholds.spike.to(device), thresholds.unlikely_spike.to(device))
     return judged, centre - calibrated
