@@ -38,9 +38,10 @@ the drift rule alone flagged count too (else its reading only sees what lies bel
 A bucket's first :data:`CENTRE_WARMUP_TOKENS` kept tokens set its centre and feed nothing else (judged around 0
 with the warm-up allowance); from then on its drift allowance is its own (a spread needs few tokens), and until its
 histograms hold ``calibration_warmup_tokens`` tokens its spike threshold is the fixed ``spike_excess`` (or the
-larger one it had before a restart). A run broken from step 1 is judged by those, and never feeds its
-corrupted tokens into the calibration as long as they catch them. A change of the sampling
-settings starts it all over (:meth:`Calibration.restart`).
+larger one it had before a restart), or the batch's own reading where that is lower
+(:func:`rollout_guard.statistics.batch_spike_thresholds`). A run broken from step 1 is judged by those, and never
+feeds its corrupted tokens into the calibration as long as they catch them. A change of the sampling settings
+starts it all over (:meth:`Calibration.restart`).
 """
 
 from __future__ import annotations
@@ -425,6 +426,27 @@ class Calibration:
             self._uncentred[key] = to_device(torch.tensor(flags), device)
         return self._uncentred[key]
 
+    def uncalibrated_on(self, device: torch.device | str = "cpu", batch: int = 0) -> torch.Tensor | None:
+        """(K,) bool on ``device``: the buckets whose spike threshold is not read from the calibration yet
+        (:meth:`calibrated_flags`), to be judged with their batch's own
+        (:func:`rollout_guard.statistics.batch_spike_thresholds`); ``None`` when there is none. The same promise of
+        tokens per batch as :meth:`uncentred_on`. Kept until the next update."""
+        per_row = [fresh / self._fresh_rows if self._fresh_rows > 0 else math.inf for fresh in self._fresh]
+        flags = [not calibrated and batch * tokens >= BATCH_CENTRE_MIN_TOKENS / 2
+                 for calibrated, tokens in zip(self.calibrated_flags(), per_row, strict=True)]
+        if not any(flags):
+            return None
+        key = f"spike:{device}:{flags}"
+        if key not in self._uncentred:
+            self._uncentred[key] = to_device(torch.tensor(flags), device)
+        return self._uncentred[key]
+
+    def spike_floor(self) -> float:
+        """The lowest calibrated spike threshold (nats): ``GuardConfig.calibrated_spike_floor``, at least
+        :data:`UNANNOUNCED_SPIKE_FLOOR` for a guard that is not told the sampling settings."""
+        floor = self.config.calibrated_spike_floor
+        return floor if self._announced else max(floor, UNANNOUNCED_SPIKE_FLOOR)
+
     def follow(self) -> float | None:
         """How far (nats) a batch's median may lie from a calibrated centre before the batch is judged around its
         own (:data:`UNANNOUNCED_FOLLOW` for a guard that is not told the sampling settings; ``None``: never)."""
@@ -466,8 +488,7 @@ class Calibration:
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
         quantile = [extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha) for bucket in self._sums]
-        floor = config.calibrated_spike_floor if self._announced else max(config.calibrated_spike_floor,
-                                                                            UNANNOUNCED_SPIKE_FLOOR)
+        floor = self.spike_floor()
         spike = []
         for q, w, n, v, u in zip(quantile, warm, candidates, self._variance, uncalibrated, strict=True):
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead

@@ -74,7 +74,8 @@ class GuardConfig:
     spike_excess: float | None = 4.0
     """nats. Rule ``directional_spike``: some token that one side found likely (``spike_min_engine_logprob``,
     ``spike_min_trainer_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above its engine bucket's
-    threshold: this value until the bucket is calibrated, then the run's extrapolated ``1 − α`` quantile of healthy
+    threshold: this value until the bucket is calibrated (or the batch's own reading where that is lower:
+    :func:`rollout_guard.statistics.batch_spike_thresholds`), then the run's extrapolated ``1 − α`` quantile of healthy
     ``|x|`` (α from ``false_alarm_budget``; see :mod:`rollout_guard.calibration`), never below
     ``calibrated_spike_floor``. The other tokens, which neither side found likely, are judged too once calibrated,
     against a threshold of their own that is +inf while their healthy tail is heavy

@@ -90,10 +90,11 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
 
 
 def with_centres(table: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
-    """A copy of a :func:`kernel_parameters` table with the per-bucket centres and allowances of ``thresholds``
-    (device tensors, e.g. :func:`rollout_guard.statistics.batch_thresholds`'): on the device, no host sync."""
+    """A copy of a :func:`kernel_parameters` table with the per-bucket centres, allowances and spike thresholds of
+    ``thresholds`` (device tensors, e.g. :func:`rollout_guard.statistics.batch_thresholds`'): on the device, no
+    host sync."""
     table = table.clone()
-    table[: 2 * NUM_ENGINE_BUCKETS] = torch.cat([thresholds.centre, thresholds.allowance]).to(table)
+    table[: 3 * NUM_ENGINE_BUCKETS] = torch.cat([thresholds.centre, thresholds.allowance, thresholds.spike]).to(table)
     return table
 
 

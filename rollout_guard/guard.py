@@ -188,10 +188,12 @@ class RolloutGuard:
         pure-torch reference. Buckets whose centre the calibration does not know yet are judged around the batch's
         own (:func:`batch_thresholds`), and so are those whose batch median moved away from it when the guard is not
         told the sampling settings (:meth:`Calibration.follow`); the packet's calibration sums are then moved back
-        to the calibration's centres."""
+        to the calibration's centres. Buckets not calibrated yet take their spike threshold from the batch too,
+        where that is lower than the uncalibrated one (:func:`rollout_guard.statistics.batch_spike_thresholds`)."""
         own = self.calibration.uncentred_on(evidence.device, evidence.batch_size)  # None: every centre is set
         follow = self.calibration.follow()  # None when told the sampling settings
-        batch_centres = own is not None or follow is not None
+        spiky = self.calibration.uncalibrated_on(evidence.device, evidence.batch_size)  # None: all calibrated
+        batch_centres = own is not None or follow is not None or spiky is not None
         fused = (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
                  and fused_statistics.available())
         # the threshold tensors on the device: for the reference path, or to replace the batch's centres in; the
@@ -199,7 +201,8 @@ class RolloutGuard:
         thresholds = self.calibration.thresholds(evidence.device) if batch_centres or not fused else None
         shift = None
         if batch_centres:
-            thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own, follow)
+            thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own, follow, spiky,
+                                                 self.calibration.spike_floor())
         if fused:
             values = self.calibration.threshold_values()  # the same object until the next update
             drift = self.calibration.drift_threshold_value()

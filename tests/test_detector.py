@@ -668,3 +668,78 @@ def test_a_guard_not_told_the_settings_follows_an_offset_that_jumps(monkeypatch)
     assert suspect == injected
     suspect, _ = jumped(None)
     assert sum(suspect) >= 30, "without following, the clean rows of the step are flagged"
+
+
+def spiked(evidence: RolloutEvidence, row: int, size: float) -> RolloutEvidence:
+    """One token of ``row`` with the single-spike fault: the trainer ``size`` nats lower than it was."""
+    engine, trainer = evidence.engine_logprobs, evidence.trainer_logprobs.clone()
+    trainer[row, 7] -= size
+    injected = torch.zeros(engine.shape[0], dtype=torch.bool)
+    injected[row] = True
+    return RolloutEvidence(evidence.mask, engine, trainer, injected=injected)
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_bucket_not_yet_calibrated_takes_its_spike_threshold_from_the_batch(monkeypatch, step):
+    """Until a bucket's histograms hold ``calibration_warmup_tokens`` (20,000) kept tokens, its spike threshold was
+    the fixed 4 nats: a 3-nat single spike in a quiet run (σ = 0.05 nats) went unseen in the first steps of a run
+    and after every change of the sampling settings (measured on the fidelity benchmark: half the single spikes
+    it missed). Read from the batch's own histogram (its 1 % and 10 % points, extrapolated as the calibrated
+    reading is), it is the 1.5-nat floor, at step 1 (no centre known) and at step 3 (centre known, not
+    calibrated). No healthy row is flagged; without the batch's reading the spike is missed."""
+    config = GuardConfig(**ONLY_DETECTOR)
+
+    def judged(from_the_batch: bool) -> tuple[list[bool], list[bool]]:
+        generator = torch.Generator().manual_seed(21)
+        guard = RolloutGuard(config)
+        if not from_the_batch:
+            monkeypatch.setattr(Calibration, "uncalibrated_on", lambda self, device="cpu", batch=0: None)
+        for earlier in range(1, step):
+            assert not guard.inspect(spiked(offset_candidates(generator, 64, 64, 0.05, 0.3), 0, 0.0), step=earlier,
+                                     sampling=SETTINGS).suspect.any()
+        assert not guard.calibration.calibrated_flags()[2]
+        assert guard.calibration.centred_flags()[2] is (step > 1)
+        evidence = spiked(offset_candidates(generator, 64, 64, 0.05, 0.3), 5, 3.0)
+        return guard.inspect(evidence, step=step, sampling=SETTINGS).suspect.tolist(), evidence.injected.tolist()
+
+    suspect, injected = judged(True)
+    assert suspect == injected
+    monkeypatch.undo()
+    suspect, injected = judged(False)
+    assert not any(suspect), "the fixed 4 nats miss it"
+
+
+@pytest.mark.parametrize(("sigma", "read"), [(0.5, True), (0.8, False)])
+def test_a_noisy_batch_reads_a_spike_threshold_above_its_noise_and_no_healthy_row_fires(sigma, read):
+    """The batch's reading never flags its own healthy tail: Gaussian noise of σ = 0.5 nats (16,384 tokens, the
+    largest |x| ≈ 4 σ = 2 nats) reads ≈ 2.7 nats, below the fixed 4 (used); σ = 0.8 reads ≈ 4.4, above it (the
+    fixed one stays). Either way no row of the first step is flagged."""
+    from rollout_guard.statistics import batch_thresholds
+
+    config = GuardConfig(**ONLY_DETECTOR)
+    generator = torch.Generator().manual_seed(22)
+    engine = torch.full((256, 64), -2.0)  # bucket [−3, −1.5): every token a candidate, the trainer never near 0
+    evidence = RolloutEvidence(torch.ones(256, 64, dtype=torch.long), engine,
+                               engine - sigma * torch.randn(256, 64, generator=generator))
+    own = torch.ones(NUM_ENGINE_BUCKETS, dtype=torch.bool)
+    thresholds, _ = batch_thresholds(evidence, config, Thresholds.fixed(config), own, spiky=own, spike_floor=1.5)
+    spike = float(thresholds.spike[1])
+    assert (spike < config.spike_excess) is read, spike
+    if read:
+        assert spike > 5 * sigma
+    assert not RolloutGuard(config).inspect(evidence, step=1, sampling=SETTINGS).suspect.any()
+
+
+def test_a_batch_whose_tokens_pile_on_the_clip_keeps_the_uncalibrated_spike_threshold():
+    """A bucket with more than half its upper anchor's share of tokens on the clip's edges (d ≥ 4 or ≤ −2 nats)
+    cannot read its tail from the clipped grid: +inf, so the uncalibrated threshold stays (here 5 % of the
+    tokens sit past 4 nats, a run broken in a few rows from step 1)."""
+    from rollout_guard.statistics import BATCH_CENTRE_GRID, batch_spike_thresholds
+
+    histogram = torch.zeros(2, BATCH_CENTRE_GRID + 1)
+    histogram[:, 200] = 950.0  # d = 0
+    histogram[0, -1] = 50.0  # 5 % at the upper clip
+    histogram[1, 210] = 50.0  # the same 5 % at d = 0.1 instead
+    read = batch_spike_thresholds(histogram, torch.zeros(2), histogram.sum(1), torch.tensor(64.0), 0.5, 1.5)
+    assert math.isinf(float(read[0])) and float(read[1]) == pytest.approx(1.5)
+

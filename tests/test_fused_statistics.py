@@ -175,6 +175,29 @@ def case_batch_centres(fused):
     assert_same_packet(reference, reanchor(fused(evidence, config, table, block=BLOCK), layout, shift), 12)
 
 
+def case_batch_spike_thresholds(fused):
+    """A step before calibration: the batch's own spike thresholds reach the kernel through its parameter table
+    (a 3-nat single spike in a quiet batch fires there, not at the fixed 4 nats)."""
+    from rollout_guard.fused_statistics import kernel_parameters, with_centres
+    from rollout_guard.statistics import batch_thresholds
+
+    config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
+    generator = torch.Generator().manual_seed(6)
+    engine = -1.0 - 0.4 * torch.rand(12, 120, generator=generator)
+    trainer = engine - 0.05 * torch.randn(12, 120, generator=generator)
+    trainer[4, 17] -= 3.0  # one spike
+    evidence = RolloutEvidence(mask=torch.ones(12, 120, dtype=torch.long), engine_logprobs=engine,
+                               trainer_logprobs=trainer)
+    fixed, layout = Thresholds.fixed(config), PacketLayout(12)
+    every = torch.ones(4, dtype=torch.bool)
+    judged, _ = batch_thresholds(evidence, config, fixed, every, spiky=every, spike_floor=1.5)
+    assert float(judged.spike[2]) == 1.5, "the batch reads the floor"
+    reference = reference_packet(evidence, config, judged)
+    assert [i for i, reason in enumerate(reference[layout.reasons].tolist()) if reason] == [4]
+    table = with_centres(kernel_parameters(config, fixed, "cpu"), judged)
+    assert_same_packet(reference, fused(evidence, config, table, block=BLOCK), 12)
+
+
 CASES = {
     "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
     "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),
@@ -185,6 +208,7 @@ CASES = {
     "ties and one block": case_ties_and_one_block,
     "histogram bin edges": case_histogram_bin_edges,
     "the batch's own centres": case_batch_centres,
+    "the batch's own spike thresholds": case_batch_spike_thresholds,
 }
 
 
