@@ -743,3 +743,70 @@ def test_a_batch_whose_tokens_pile_on_the_clip_keeps_the_uncalibrated_spike_thre
     read = batch_spike_thresholds(histogram, torch.zeros(2), histogram.sum(1), torch.tensor(64.0), 0.5, 1.5)
     assert math.isinf(float(read[0])) and float(read[1]) == pytest.approx(1.5)
 
+
+def quiet_unlikely_calibration(config: GuardConfig, tail_at: float) -> Calibration:
+    """A calibration whose buckets hold 200,000 kept tokens no side found likely, their |x| near 1 nat and 4 of
+    them (per bucket) at ``tail_at`` nats, and 30,000 candidates near 0.5 nats."""
+    calibration = Calibration(config)
+    calibration.announced = True
+    edges = calibration_module.EXCESS_EDGES
+    contribution = torch.zeros(NUM_ENGINE_BUCKETS, calibration_module.CALIBRATION_WIDTH, dtype=torch.float64)
+    contribution[:, 0] = 230000.0
+    contribution[:, 3] = 30000.0
+    contribution[:, 4 + edges.index(0.5)] = 30000.0
+    unlikely = calibration_module.UNLIKELY_HISTOGRAM
+    contribution[:, unlikely + edges.index(1.0)] = 199994.0
+    contribution[:, unlikely + max(i for i, e in enumerate(edges) if e <= tail_at)] = 6.0
+    for _ in range(3):
+        calibration.update(contribution, kept_rows=1000.0)
+    return calibration
+
+
+@pytest.mark.parametrize(("tail_at", "carried"), [(1.2, True), (8.0, False)])
+def test_a_restart_carries_a_quiet_unlikely_tail_threshold_at_spike_excess(tail_at, carried):
+    """Tokens no side found likely are judged only once a bucket holds UNLIKELY_MIN_TOKENS of them (100,000: a
+    heavy healthy tail must have had the chance to show); a restart (a change of the sampling settings) emptied
+    that memory, so for the next ~10 steps of a pooled stream a garbage low engine logprob there went unjudged
+    (measured on the fidelity benchmark's top-k = 5 streams: a third of the isolated spikes missed). The
+    threshold in use before the restart carries through, at least ``spike_excess``, as the spike thresholds'
+    do; a heavy tail (not judged) carries nothing. It survives a checkpoint."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    calibration = quiet_unlikely_calibration(config, tail_at)
+    before = calibration.threshold_values()[3]
+    assert all(math.isfinite(t) for t in before) is carried, before
+    calibration.restart()
+    assert calibration.calibrated_flags() == [False] * NUM_ENGINE_BUCKETS
+    after = calibration.threshold_values()[3]
+    if carried:
+        assert after == [max(config.spike_excess, t) for t in before]
+    else:
+        assert all(math.isinf(t) for t in after)
+    restored = Calibration(config)
+    restored.load_state_dict(calibration.state_dict())
+    assert restored.threshold_values()[3] == after
+
+
+def test_after_a_change_a_garbage_low_engine_logprob_on_an_unlikely_token_is_judged_at_once():
+    """The same through the guard: a quiet stream of tokens half of which no side found likely, 20 steps, then a
+    change of the sampling settings; in the step right after it, one row's unlikely token gets an engine logprob
+    5 nats below the trainer's: flagged (4 nats carried), and nothing else in the ten steps after the change.
+    Without the carried threshold the row is not judged there."""
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(23)
+    guard = RolloutGuard(config)
+    for step in range(1, 21):
+        assert not guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.0), step=step,
+                                 sampling=("top_k=0",)).suspect.any()
+    assert math.isfinite(guard.calibration.threshold_values()[3][0])
+    state = guard.state_dict()
+    garbage = with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, 256, 64, 0.0), 5, 5.0)
+    assert guard.inspect(garbage, step=21, sampling=("top_k=5",)).suspect.nonzero().flatten().tolist() == [5]
+    flagged = sum(int(guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.0), step=step,
+                                    sampling=("top_k=5",)).suspect.sum()) for step in range(22, 32))
+    assert flagged == 0
+    forgetful = RolloutGuard(config)
+    forgetful.load_state_dict(state)
+    forgetful.calibration.restart()
+    forgetful.calibration._carried_unlikely = [math.inf] * NUM_ENGINE_BUCKETS
+    forgetful.sampling = ("top_k=5",)
+    assert not forgetful.inspect(garbage, step=21, sampling=("top_k=5",)).suspect.any()
