@@ -810,3 +810,30 @@ def test_after_a_change_a_garbage_low_engine_logprob_on_an_unlikely_token_is_jud
     forgetful.calibration._carried_unlikely = [math.inf] * NUM_ENGINE_BUCKETS
     forgetful.sampling = ("top_k=5",)
     assert not forgetful.inspect(garbage, step=21, sampling=("top_k=5",)).suspect.any()
+
+
+def symmetric_candidates(generator: torch.Generator, batch: int, length: int, sigma: float) -> RolloutEvidence:
+    """Healthy rows in the bucket [−3, −1.5) (every token a candidate), d ~ N(0, σ²) on both sides."""
+    engine = torch.full((batch, length), -2.0)
+    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=engine - sigma * torch.randn(batch, length, generator=generator))
+
+
+def test_a_light_tailed_bucket_reads_its_spike_threshold_near_its_data():
+    """Healthy spread σ = 0.35 nats (a top-k = 20 run's renormalisation offsets end near 4.5 σ). Read from the
+    bins' upper edges at 1 % and 10 % and extrapolated over 3.5 decades, the spike threshold sat near 6 σ and a
+    2-nat spike beyond the centre went unseen; read inside the bins at 0.1 % and 1 % (2.5 decades) it sits near
+    5 σ and catches it. Healthy rows flagged over 30 steps (7,680 rows): within the false-alarm budget (0.5 per
+    1,000 rows: ~4)."""
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(24)
+    flagged = 0
+    for step in range(1, 31):
+        flagged += int(guard.inspect(symmetric_candidates(generator, 256, 64, 0.35), step=step,
+                                     sampling=SETTINGS).suspect.sum())
+    threshold = guard.calibration.threshold_values()[2][1]
+    assert flagged <= 4
+    assert 4.6 * 0.35 < threshold < 1.95, threshold
+    report = guard.inspect(spiked(symmetric_candidates(generator, 256, 64, 0.35), 9, 2.0), step=31, sampling=SETTINGS)
+    assert report.suspect.nonzero().flatten().tolist() == [9]
