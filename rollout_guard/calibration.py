@@ -69,7 +69,8 @@ where the reading from 1 % and 10 % put 2.8. Corruption the rules miss is kept a
 the fidelity benchmark's 2 % of faulty rows it did not lift the readings: measured (1,000 faults per condition,
 :func:`spike_quantile` reading inside its bin), anchors at 1 % / 0.5 % / 0.3 % / 0.2 % / 0.1 %: late onset
 missed 186 / 171 / 160 / 144 / 134 of 27,000, moderate 28 / 27 / 23 / 22 / 20; false quarantines 7 and flagged
-resampled judgements 19 at each. (The batch's own reading, which holds its corrupted rows, keeps 1 %:
+resampled judgements 19 at each; deeper, 0.03 % and 0.01 %: late onset 119, but flagged resampled judgements 24
+and 28 (``benchmarks/results-2026-12-01-ninth/variants-cpu.json``). (The batch's own reading, which holds its corrupted rows, keeps 1 %:
 :func:`rollout_guard.statistics.batch_spike_thresholds`.)"""
 
 
