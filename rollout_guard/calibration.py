@@ -70,8 +70,8 @@ the fidelity benchmark's 2 % of faulty rows it did not lift the readings: measur
 :func:`spike_quantile` reading inside its bin), anchors at 1 % / 0.5 % / 0.3 % / 0.2 % / 0.1 %: late onset
 missed 186 / 171 / 160 / 144 / 134 of 27,000, moderate 28 / 27 / 23 / 22 / 20; false quarantines 7 and flagged
 resampled judgements 19 at each; deeper, 0.03 % and 0.01 %: late onset 119, but flagged resampled judgements 24
-and 28 (``benchmarks/results-2026-12-01-ninth/variants-cpu.json``). (The batch's own reading, which holds its corrupted rows, keeps 1 %:
-:func:`rollout_guard.statistics.batch_spike_thresholds`.)"""
+and 28 (``benchmarks/results-2026-12-01-ninth/variants-cpu.json``). (The batch's own reading, which holds its
+corrupted rows, keeps 1 %: :func:`rollout_guard.statistics.batch_spike_thresholds`.)"""
 
 
 def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> float:
@@ -86,8 +86,8 @@ def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> f
     The bin's upper edge instead (up to 19 % higher, at both anchors of :func:`extrapolated_quantile`) put every
     calibrated threshold above its data: measured on the fidelity benchmark (1,000 faults per condition), reading
     inside the bin alone took late onset missed 218 → 186 of 27,000, moderate 32 → 28, single spikes 29 → 24,
-    isolated 367 → 358, and flagged resampled judgements 27 → 19 of 888,995 (the tokens-no-side-liked thresholds
-    read their 5-token tail inside the bin too); false quarantines unchanged (7). Host arithmetic on a few dozen
+    isolated 367 → 358, and flagged resampled judgements 27 → 19 of 888,995 (the thresholds of tokens no side
+    found likely read their 5-token tail inside the bin too); false quarantines unchanged (7). Host arithmetic on a few dozen
     numbers per bucket.
 
     Args:
@@ -343,7 +343,7 @@ class Calibration:
         self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
         self._drift_rows = 0.0  # decayed kept samples since the bucket thresholds last changed kind
         self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
-        self._uncentred: dict[str, torch.Tensor] = {}  # per device, until the next update
+        self._device_flags: dict[str, torch.Tensor] = {}  # per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
 
@@ -389,20 +389,23 @@ class Calibration:
         setting's noise: after a change to top-k = 20 in a top-k = 5 stream, 5–15 % of healthy rows were flagged
         for ten steps. Likewise the threshold of tokens no side found likely: until the bucket holds
         :data:`UNLIKELY_MIN_TOKENS` such tokens again, the larger of ``spike_excess`` and the one in use before,
-        where that was finite (a quiet tail; a heavy one stays unjudged). Without it such tokens went unjudged for
-        ~10 steps after each change (measured on the fidelity benchmark, 1,000 faults per condition: isolated
-        spikes missed 391 → 367 of 27,000, 24 of them in the top-k = 5 streams; false quarantines unchanged)."""
+        where that was finite (a quiet tail; a heavy one stays unjudged, and a heavy tail read since replaces an
+        older quiet one). Without it such tokens went unjudged for ~10 steps after each change (measured on the
+        fidelity benchmark, 1,000 faults per condition: isolated spikes missed 391 → 367 of 27,000, 24 of them in
+        the top-k = 5 streams; false quarantines unchanged)."""
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
-        carried_unlikely = [t if f and math.isfinite(t) else c
-                            for t, f, c in zip(values[3], flags, self._carried_unlikely, strict=True)]
+        # a bucket that read its own tail since the last restart carries that reading (+inf for a heavy tail)
+        carried_unlikely = [t if f and bucket[0] >= UNLIKELY_MIN_TOKENS else c
+                            for t, f, c, bucket in zip(values[3], flags, self._carried_unlikely, self._unlikely,
+                                                       strict=True)]
         announced = self._announced
         self.__init__(self.config)  # every piece of state, fresh
         self._announced, self._carried, self._carried_unlikely = announced, carried, carried_unlikely
 
     def _forget_readings(self) -> None:
         """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
-        self._thresholds, self._uncentred, self._values, self._drift_value = {}, {}, None, None
+        self._thresholds, self._device_flags, self._values, self._drift_value = {}, {}, None, None
 
     def _forget_drift(self) -> None:
         """The samples' CUSUM depends on the bucket thresholds it was computed with: start its histogram over."""
@@ -454,9 +457,9 @@ class Calibration:
         if not any(flags):
             return None
         key = f"{device}:{flags}"
-        if key not in self._uncentred:
-            self._uncentred[key] = to_device(torch.tensor(flags), device)
-        return self._uncentred[key]
+        if key not in self._device_flags:
+            self._device_flags[key] = to_device(torch.tensor(flags), device)
+        return self._device_flags[key]
 
     def uncalibrated_on(self, device: torch.device | str = "cpu", batch: int = 0) -> torch.Tensor | None:
         """(K,) bool on ``device``: the buckets whose spike threshold is not read from the calibration yet
@@ -469,9 +472,9 @@ class Calibration:
         if not any(flags):
             return None
         key = f"spike:{device}:{flags}"
-        if key not in self._uncentred:
-            self._uncentred[key] = to_device(torch.tensor(flags), device)
-        return self._uncentred[key]
+        if key not in self._device_flags:
+            self._device_flags[key] = to_device(torch.tensor(flags), device)
+        return self._device_flags[key]
 
     def spike_floor(self) -> float:
         """The lowest calibrated spike threshold (nats): ``GuardConfig.calibrated_spike_floor``, at least

@@ -299,7 +299,7 @@ def batch_spike_thresholds(histogram: torch.Tensor, centre: torch.Tensor, count:
     ...                                               0.5, 0.0).tolist()]
     [0.93]
     """
-    kernels, cells = histogram.shape
+    _, cells = histogram.shape
     low, high = EXCESS_CLIP
     step = (high - low) / BATCH_CENTRE_GRID
     index = torch.arange(cells, device=histogram.device)

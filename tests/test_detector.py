@@ -786,6 +786,22 @@ def test_a_restart_carries_a_quiet_unlikely_tail_threshold_at_spike_excess(tail_
     assert restored.threshold_values()[3] == after
 
 
+def test_a_heavy_tail_read_after_a_quiet_one_is_what_the_next_restart_carries():
+    """A quiet setting, a restart (4 nats carried), then a setting whose tokens no side found likely show a heavy
+    tail (read: +inf, not judged): the next restart carries +inf, not the older quiet threshold."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    calibration = quiet_unlikely_calibration(config, 1.2)
+    calibration.restart()
+    assert calibration.threshold_values()[3] == [config.spike_excess] * NUM_ENGINE_BUCKETS
+    heavy = quiet_unlikely_calibration(config, 8.0)
+    for _ in range(3):
+        calibration.update(torch.tensor(heavy._sums, dtype=torch.float64) / 3, kept_rows=1000.0)
+    assert calibration.calibrated_flags() == [True] * NUM_ENGINE_BUCKETS
+    assert all(math.isinf(t) for t in calibration.threshold_values()[3]), "read from this setting's own tail"
+    calibration.restart()
+    assert all(math.isinf(t) for t in calibration.threshold_values()[3])
+
+
 def test_after_a_change_a_garbage_low_engine_logprob_on_an_unlikely_token_is_judged_at_once():
     """The same through the guard: a quiet stream of tokens half of which no side found likely, 20 steps, then a
     change of the sampling settings; in the step right after it, one row's unlikely token gets an engine logprob
