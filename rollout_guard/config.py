@@ -124,7 +124,10 @@ class GuardConfig:
     real-noise conditions, 95.8–99.6 % in the others, whose 512–1,664 clean rollouts leave most steps before the
     bucket holds 100,000 such tokens; top-k=5 87.8–90.9 → 98.2–99.8 %), none gained under the heavy-tail noise
     models (a garbage low logprob there is inside the healthy tail), false quarantines unchanged (70 of 91,776
-    clean samples). Default ln 0.2 ≈ −1.61."""
+    clean samples). Measured again with the calibrated detector of 2026-12-01 (1,000 faults per condition):
+    ln 0.1 would miss 288 instead of 356 of 27,000 isolated spikes for 15 instead of 7 false quarantines of
+    122,368, the worst condition at 0.087 % (hybrid-7B tail), ln 0.05 257 for 28 (0.198 %): the half of the goal
+    held in reserve decides. Default ln 0.2 ≈ −1.61."""
 
     drift_threshold: float | None = 6.0
     """nats. Rule ``drift``: the CUSUM of ``clip(x, −2, 4) − allowance`` over the sample's tokens exceeds the
