@@ -451,27 +451,25 @@ class Calibration:
         least half of :data:`~rollout_guard.statistics.BATCH_CENTRE_MIN_TOKENS` in a batch of ``batch`` rows: a
         bucket that rare stays uncentred for good and would pay the batch's pass (~1 ms per step on an H200) for
         nothing. Kept until the next update."""
-        per_row = [fresh / self._fresh_rows if self._fresh_rows > 0 else math.inf for fresh in self._fresh]
-        flags = [not centred and batch * tokens >= BATCH_CENTRE_MIN_TOKENS / 2
-                 for centred, tokens in zip(self.centred_flags(), per_row, strict=True)]
-        if not any(flags):
-            return None
-        key = f"{device}:{flags}"
-        if key not in self._device_flags:
-            self._device_flags[key] = to_device(torch.tensor(flags), device)
-        return self._device_flags[key]
+        return self._unsettled_on(self.centred_flags(), device, batch)
 
     def uncalibrated_on(self, device: torch.device | str = "cpu", batch: int = 0) -> torch.Tensor | None:
         """(K,) bool on ``device``: the buckets whose spike threshold is not read from the calibration yet
         (:meth:`calibrated_flags`), to be judged with their batch's own
         (:func:`rollout_guard.statistics.batch_spike_thresholds`); ``None`` when there is none. The same promise of
         tokens per batch as :meth:`uncentred_on`. Kept until the next update."""
+        return self._unsettled_on(self.calibrated_flags(), device, batch)
+
+    def _unsettled_on(self, settled: list[bool], device: torch.device | str, batch: int) -> torch.Tensor | None:
+        """(K,) bool on ``device``: not ``settled`` and enough kept tokens per row so far for half of
+        BATCH_CENTRE_MIN_TOKENS in a batch of ``batch`` rows (all of them on the first step since a restart);
+        ``None`` when there is none. One tensor per device and pattern until the next update."""
         per_row = [fresh / self._fresh_rows if self._fresh_rows > 0 else math.inf for fresh in self._fresh]
-        flags = [not calibrated and batch * tokens >= BATCH_CENTRE_MIN_TOKENS / 2
-                 for calibrated, tokens in zip(self.calibrated_flags(), per_row, strict=True)]
+        flags = [not done and batch * tokens >= BATCH_CENTRE_MIN_TOKENS / 2
+                 for done, tokens in zip(settled, per_row, strict=True)]
         if not any(flags):
             return None
-        key = f"spike:{device}:{flags}"
+        key = f"{device}:{flags}"
         if key not in self._device_flags:
             self._device_flags[key] = to_device(torch.tensor(flags), device)
         return self._device_flags[key]
