@@ -712,8 +712,9 @@ def test_a_bucket_not_yet_calibrated_takes_its_spike_threshold_from_the_batch(mo
 @pytest.mark.parametrize(("sigma", "read"), [(0.5, True), (0.8, False)])
 def test_a_noisy_batch_reads_a_spike_threshold_above_its_noise_and_no_healthy_row_fires(sigma, read):
     """The batch's reading never flags its own healthy tail: Gaussian noise of σ = 0.5 nats (16,384 tokens, the
-    largest |x| ≈ 4 σ = 2 nats) reads ≈ 2.7 nats, below the fixed 4 (used); σ = 0.8 reads ≈ 4.4, above it (the
-    fixed one stays). Either way no row of the first step is flagged."""
+    largest |x| ≈ 4 σ = 2 nats) reads 2.67 nats, below the fixed 4 (used); σ = 0.8 puts 0.6 % of its tokens past
+    the clip's −2-nat edge, more than half the upper anchor's 1 %: not read, the fixed 4 stays. Either way no row
+    of the first step is flagged."""
     from rollout_guard.statistics import batch_thresholds
 
     config = GuardConfig(**ONLY_DETECTOR)
