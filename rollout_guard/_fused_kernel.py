@@ -64,6 +64,7 @@ def guard_rows(
     unlikely_step_clip = tl.load(parameters_ptr + 33)
     delta_edges_ptr = parameters_ptr + 34
     excess_edges_ptr = parameters_ptr + 34 + NUM_DELTA
+    rows_ptr = parameters_ptr + 34 + NUM_DELTA + NUM_EXCESS  # each row's spike thresholds: 4 slopes, floor, mean row
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -85,7 +86,8 @@ def guard_rows(
     max_abs = tl.zeros([], dtype=tl.float32) - inf
     max_engine = tl.zeros([], dtype=tl.float32) - inf
     max_trainer = tl.zeros([], dtype=tl.float32) - inf
-    margin = tl.zeros([], dtype=tl.float32) - inf
+    margin = tl.zeros([], dtype=tl.float32) - inf  # over the tokens no side found likely
+    bucket_max = tl.zeros([4], dtype=tl.float32) - inf  # the largest |x| of a spike candidate, per bucket
     running = tl.zeros([], dtype=tl.float32)  # the CUSUM's running sum so far
     low = tl.zeros([], dtype=tl.float32) + inf  # its running minimum
     low_at = tl.zeros([], dtype=tl.int32)  # and where (the last position that reached it)
@@ -134,12 +136,10 @@ def guard_rows(
         bucket = (engine_bucketed >= edge0).to(tl.int32) + (engine_bucketed >= edge1).to(tl.int32) + (engine_bucketed >= edge2).to(tl.int32)
         centre = tl.load(thresholds_ptr + bucket)
         allowance = tl.load(thresholds_ptr + 4 + bucket)
-        spike = tl.load(thresholds_ptr + 8 + bucket)
         unlikely_spike = tl.load(thresholds_ptr + 12 + bucket)
         excess = tl.where(both, (engine - trainer) - centre, 0.0)
         likely = both & ((engine >= spike_min_engine_logprob) | (trainer >= spike_min_trainer_logprob))
-        threshold = tl.where(likely, spike, unlikely_spike)
-        margin = tl.maximum(margin, tl.max(tl.where(both, tl.abs(excess) - threshold, -inf), axis=0))
+        margin = tl.maximum(margin, tl.max(tl.where(both & ~likely, tl.abs(excess) - unlikely_spike, -inf), axis=0))
         clipped = tl.minimum(tl.maximum(excess, clip_low), clip_high)
 
         # CUSUM drawup, carried across blocks: C_t, min(0, min_{j≤t} C_j) and where that minimum was
@@ -189,6 +189,8 @@ def guard_rows(
         bucket_sum += tl.sum(tl.where(in_bucket, clipped[:, None], 0.0), axis=0)
         bucket_square += tl.sum(tl.where(in_bucket, (clipped * clipped)[:, None], 0.0), axis=0)
         bucket_candidates += tl.sum((in_bucket & likely[:, None]).to(tl.float32), axis=0)
+        bucket_max = tl.maximum(bucket_max, tl.max(tl.where(in_bucket & likely[:, None], magnitude[:, None], -inf),
+                                                   axis=0))
 
     nan = float("nan")
     has_compared = compared > 0
@@ -201,6 +203,13 @@ def guard_rows(
     trainer_max = tl.where(trainer_count > 0, max_trainer, nan)
     trainer_mean = tl.where(trainer_count > 0, sum_trainer / tl.maximum(trainer_count, 1).to(tl.float32), nan)
     first_divergent = tl.where(first_divergent < 2147483647, first_divergent, -1)
+    # the candidates' margin against this row's own threshold per bucket (rollout_guard.statistics.spike_per_row)
+    spikes = tl.load(thresholds_ptr + 8 + buckets4)
+    slopes = tl.load(rows_ptr + buckets4)
+    factor = tl.log(tl.maximum(tl.sum(bucket_candidates, axis=0), 1.0) / tl.load(rows_ptr + 5))
+    scaled = tl.maximum(spikes + slopes * factor, tl.load(rows_ptr + 4))
+    row_spikes = tl.where(slopes > 0.0, scaled, spikes)
+    margin = tl.maximum(margin, tl.max(bucket_max - row_spikes, axis=0))
     spike_margin = tl.where(margin > -inf, margin, nan)  # no token that can fire
     drift = tl.where(has_compared, tl.maximum(best_rise, 0.0), nan)
     drift_start = tl.where(has_compared, best_start, -1)

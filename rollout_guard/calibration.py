@@ -16,7 +16,8 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
 * the spike threshold: the ``1 − α`` quantile of healthy ``|x|``, ``x = d − centre``, over the bucket's spike
   candidates (tokens the engine or the trainer found likely: ``GuardConfig.spike_min_engine_logprob``,
   ``spike_min_trainer_logprob``), with ``α = false_alarm_budget / 1000 / (candidates per
-  sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget; read in
+  sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget (for each
+  row its own: :func:`rollout_guard.statistics.spike_per_row` moves the threshold with the row's candidates); read in
   the body of the histogram and extrapolated (:func:`extrapolated_quantile`: the tail itself is censored by the
   verdict and holds the corruption the rules missed); never below ``GuardConfig.calibrated_spike_floor``; a
   bucket with fewer than :data:`MIN_SPIKE_CANDIDATES` candidates gets the :func:`gaussian_bound` of its kept
@@ -54,7 +55,7 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import (
-    BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM,
+    BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, RowScaling, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM,
     Thresholds, to_device,
 )
 
@@ -346,6 +347,7 @@ class Calibration:
         self._device_flags: dict[str, torch.Tensor] = {}  # per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
+        self._row_scaling: tuple[list[float], float, float] = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)
 
     @property
     def sums(self) -> torch.Tensor:
@@ -485,6 +487,16 @@ class Calibration:
         own (:data:`UNANNOUNCED_FOLLOW` for a guard that is not told the sampling settings; ``None``: never)."""
         return None if self._announced else UNANNOUNCED_FOLLOW
 
+    def row_scaling(self) -> RowScaling | None:
+        """How the calibrated spike thresholds move with a row's own spike candidates
+        (:func:`rollout_guard.statistics.spike_per_row`), or ``None`` where no bucket's does (computed with the
+        thresholds, until the next update)."""
+        self.threshold_values()
+        slopes, floor, candidates = self._row_scaling
+        if not any(slope > 0 for slope in slopes):
+            return None
+        return RowScaling(torch.tensor(slopes, dtype=torch.float32), floor, candidates)
+
     def thresholds(self, device: torch.device | str = "cpu") -> Thresholds:
         """The thresholds the next step uses, as (K,) float32 tensors on ``device`` (kept until the next update)."""
         key = str(device)
@@ -502,6 +514,7 @@ class Calibration:
 
     def _compute_thresholds(self) -> tuple[list[float], list[float], list[float], list[float]]:
         config = self.config
+        self._row_scaling = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)  # no bucket read: every row alike
         fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess, inf
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
         warm, centred = self.calibrated_flags(), self.centred_flags()
@@ -527,6 +540,11 @@ class Calibration:
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
             read = q if n >= MIN_SPIKE_CANDIDATES else min(gaussian_bound(math.sqrt(v), alpha), fixed_spike)
             spike.append(max(read, floor) if w else u)
+        # how each read threshold moves with ln(1/α) (the extrapolation is linear there): for a row's own budget
+        self._row_scaling = ([extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha / math.e) - q
+                              if w and n >= MIN_SPIKE_CANDIDATES and floor < q < math.inf else 0.0
+                              for bucket, q, w, n in zip(self._sums, quantile, warm, candidates, strict=True)],
+                             floor, max(per_sample, 1.0))
         cap = config.spike_excess if config.spike_excess is not None else math.inf
         # too few such tokens since the restart: the threshold carried through it (+inf where none was)
         unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor)

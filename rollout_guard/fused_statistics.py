@@ -25,7 +25,8 @@ from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.packet import AGGREGATES, MAX_AGGREGATES, PacketLayout, packet_dtype
 from rollout_guard.statistics import (
     _K3_LOG_RATIO_CAP, CALIBRATION_WIDTH, DELTA_BIN_EDGES, ENGINE_BUCKET_EDGES, EXCESS_CLIP, EXCESS_EDGES,
-    NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, UNLIKELY_STEP_CLIP, Thresholds, to_device,
+    NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, SAMPLE_COLUMNS, UNLIKELY_STEP_CLIP, RowScaling, Thresholds,
+    to_device,
 )
 from rollout_guard.verdict import RULES
 
@@ -71,13 +72,16 @@ def _threshold(value: float | int | None) -> float:
 
 
 def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[float], ...],
-                      device: torch.device | str, drift_threshold: float | None = None) -> torch.Tensor:
+                      device: torch.device | str, drift_threshold: float | None = None,
+                      scaling: RowScaling | None = None) -> torch.Tensor:
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
     calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike; 16), the config's token
     thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut and the CUSUM
     step clip of tokens no side found likely (2), the |Δ| and |x| histogram edges as the reference compares them
-    (float32). ``thresholds``: tensors or the calibration's lists of floats; ``drift_threshold``: the calibrated
-    drift threshold in use (nats; default ``config.drift_threshold``)."""
+    (float32), then how the spike thresholds move with a row's candidates (4 slopes, the floor, the mean row's
+    candidates: :func:`rollout_guard.statistics.spike_per_row`). ``thresholds``: tensors or the calibration's
+    lists of floats; ``drift_threshold``: the calibrated drift threshold in use (nats; default
+    ``config.drift_threshold``); ``scaling``: ``None``, every row alike."""
     drift = config.drift_threshold if config.drift_threshold is None or drift_threshold is None else drift_threshold
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
@@ -86,7 +90,9 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
                _threshold(drift), float(config.spike_min_trainer_logprob), UNLIKELY_STEP_CLIP]
     assert len(values) == 34
-    return to_device(torch.tensor(values + _EDGE_VALUES, dtype=torch.float32), device)
+    rows = ([0.0] * NUM_ENGINE_BUCKETS + [0.0, 1.0] if scaling is None
+            else [float(v) for v in scaling.slope.tolist()] + [float(scaling.floor), float(scaling.candidates)])
+    return to_device(torch.tensor(values + _EDGE_VALUES + rows, dtype=torch.float32), device)
 
 
 def with_centres(table: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:

@@ -210,13 +210,15 @@ class RolloutGuard:
             cached = self._kernel_parameters
             if (cached is None or cached[0] is not values or cached[1] != drift
                     or cached[2].device != evidence.device):
-                table = fused_statistics.kernel_parameters(self.config, values, evidence.device, drift)
+                table = fused_statistics.kernel_parameters(self.config, values, evidence.device, drift,
+                                                           self.calibration.row_scaling())
                 cached = (values, drift, table)
                 self._kernel_parameters = cached
             table = cached[2] if shift is None else fused_statistics.with_centres(cached[2], thresholds)
             packet = fused_statistics.fused_packet(evidence, self.config, table)
         else:
-            packet = reference_packet(evidence, self.config, thresholds, self.calibration.drift_threshold_value())
+            packet = reference_packet(evidence, self.config, thresholds, self.calibration.drift_threshold_value(),
+                                      self.calibration.row_scaling())
         return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:

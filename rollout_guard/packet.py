@@ -30,7 +30,7 @@ import torch
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.statistics import (
-    CALIBRATION_WIDTH, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, Thresholds, summarise,
+    CALIBRATION_WIDTH, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, RowScaling, SAMPLE_COLUMNS, Thresholds, summarise,
 )
 from rollout_guard.statistics import COLUMN, histogram_quantile
 from rollout_guard.verdict import RULE_BIT, RULES, judge
@@ -220,11 +220,12 @@ def reanchor(packet: torch.Tensor, layout: PacketLayout, shift: torch.Tensor) ->
 
 
 def reference_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
-                     drift_threshold: float | None = None) -> torch.Tensor:
+                     drift_threshold: float | None = None, scaling: RowScaling | None = None) -> torch.Tensor:
     """The packet from the pure-torch statistics (:func:`summarise`) and verdict (:func:`judge`), on the
     evidence's device; status 1 and check flag 0 (the caller sets the flag). ``drift_threshold``: the calibrated
-    one in use (nats; default ``config.drift_threshold``)."""
-    samples, histogram, contribution = summarise(evidence, config, thresholds)
+    one in use (nats; default ``config.drift_threshold``); ``scaling``: each row's own spike threshold
+    (:func:`rollout_guard.statistics.spike_per_row`)."""
+    samples, histogram, contribution = summarise(evidence, config, thresholds, scaling)
     verdict = judge(samples, config, drift_threshold)
     dtype = packet_dtype(samples.device)
     exact = torch.float32 if samples.device.type == "mps" else torch.float64

@@ -152,6 +152,47 @@ class Thresholds(NamedTuple):
         return cls(full(0.0), full(config.warmup_drift_allowance), full(spike), full(math.inf))
 
 
+class RowScaling(NamedTuple):
+    """How a calibrated spike threshold moves with a row's own number of spike candidates (:func:`spike_per_row`):
+    ``slope`` (K,) nats per e-fold (0: the same threshold for every row), ``floor`` nats, ``candidates`` the mean
+    row's spike candidates the thresholds were read for."""
+
+    slope: torch.Tensor
+    floor: float
+    candidates: float
+
+
+def spike_per_row(spike: torch.Tensor, scaling: RowScaling | None, candidates: torch.Tensor) -> torch.Tensor:
+    """Each row's spike threshold per bucket (nats), for a false-alarm budget per *row* rather than per mean row:
+
+    .. math:: t_{r,k} = \\max\\big(\\textit{floor},\\ t_k + s_k \\ln(\\max(n_r, 1) / \\bar n)\\big)
+
+    with ``t_k`` the bucket's threshold read at ``α = β / 1000 / n̄`` (``n̄`` the mean row's spike candidates), ``s_k``
+    the slope of that reading in ``ln(1/α)`` (:func:`rollout_guard.calibration.extrapolated_quantile` is linear
+    there) and ``n_r`` the row's candidates: a row of ``n_r`` candidates is read at ``β / 1000 / n_r``, so every row
+    has the same expected false firings, and a short row (few tokens to fire by chance) is judged closer to its
+    noise. With ``s_k = 0`` (``scaling`` ``None``, or a bucket not calibrated) ``t_k`` itself.
+
+    Args:
+        spike: (K,) thresholds for the mean row.
+        scaling: the calibration's :class:`RowScaling`, or ``None``.
+        candidates: (B,) spike candidates per row.
+    Returns:
+        (B, K) float32.
+
+    >>> t = spike_per_row(torch.tensor([4.0, 2.0]), RowScaling(torch.tensor([0.0, 0.3]), 1.5, 100.0),
+    ...                   torch.tensor([10.0, 100.0, 1000.0]))
+    >>> [[round(v, 3) for v in row] for row in t.tolist()]
+    [[4.0, 1.5], [4.0, 2.0], [4.0, 2.691]]
+    """
+    spike = spike.float().unsqueeze(0)
+    if scaling is None:
+        return spike.expand(candidates.shape[0], -1)
+    factor = torch.log(candidates.float().clamp(min=1.0) / scaling.candidates).unsqueeze(1)
+    scaled = (spike + scaling.slope.to(spike).unsqueeze(0) * factor).clamp(min=scaling.floor)
+    return torch.where(scaling.slope.to(spike.device).unsqueeze(0) > 0, scaled, spike)
+
+
 BATCH_CENTRE_MIN_TOKENS = 200.0
 """tokens of a bucket in this process's batch that its own centre needs (:func:`batch_thresholds`); a bucket with
 fewer keeps the warm-up thresholds (centre 0). With a healthy spread up to 1.5 nats the median's standard error is
@@ -334,13 +375,14 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
 
 
 def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scaling: RowScaling | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, the |Δ| histogram of the compared tokens,
     (NUM_DELTA_BINS,) int64 counts (exact at any size), and each sample's calibration contribution,
     (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), spike candidates and their |x|
     histogram per bucket, and the other tokens' |x| histogram), from one pass over the token tensors; all stay on
     the evidence's device.
-    ``thresholds``: the calibrated detector thresholds (default: :meth:`Thresholds.fixed`)."""
+    ``thresholds``: the calibrated detector thresholds (default: :meth:`Thresholds.fixed`); ``scaling``: how the
+    calibrated spike thresholds move with a row's spike candidates (:func:`spike_per_row`; ``None``: they do not)."""
     evidence = _at_least_one_column(evidence)
     thresholds = thresholds if thresholds is not None else Thresholds.fixed(config, evidence.device)
     valid = evidence.mask.bool()
@@ -370,6 +412,9 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
                                                 for t in thresholds)
     excess = torch.where(both, (engine - trainer) - centre, torch.zeros_like(engine))
     likely = both & ((engine >= config.spike_min_engine_logprob) | (trainer >= config.spike_min_trainer_logprob))
+    if scaling is not None:  # each row's own threshold per bucket
+        per_row = spike_per_row(thresholds.spike.to(valid.device), scaling, likely.sum(dim=-1))
+        spike = per_row.gather(1, bucket)
     over = _masked_max(excess.abs() - torch.where(likely, spike, unlikely_spike), both)
     spike_margin = torch.where(over == -math.inf, nan_row, over)  # no token that can fire (all thresholds +inf)
     clipped = excess.clamp(*EXCESS_CLIP)

@@ -854,3 +854,39 @@ def test_a_light_tailed_bucket_reads_its_spike_threshold_near_its_data():
     assert 4.6 * 0.35 < threshold < 1.95, threshold
     report = guard.inspect(spiked(symmetric_candidates(generator, 256, 64, 0.35), 9, 2.0), step=31, sampling=SETTINGS)
     assert report.suspect.nonzero().flatten().tolist() == [9]
+
+
+def test_a_short_row_is_judged_by_its_own_budget_and_a_long_one_too(monkeypatch):
+    """The false-alarm budget is per sample: a row of n spike candidates gets the threshold read at
+    α = β / 1000 / n (statistics.spike_per_row), not the mean row's. Calibrated on 64-token rows (σ = 0.35 nats),
+    a spike between the two thresholds fires in a 4-token row and not in the mean row's threshold; one between
+    the mean row's and a 512-token row's fires only with the mean row's. Without the per-row reading both verdicts
+    flip. Healthy rows of every length stay clean."""
+    from rollout_guard.statistics import spike_per_row
+
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(25)
+    for step in range(1, 31):
+        guard.inspect(symmetric_candidates(generator, 256, 64, 0.35), step=step, sampling=SETTINGS)
+    mean_row = guard.calibration.threshold_values()[2][1]
+    scaling = guard.calibration.row_scaling()
+    assert scaling is not None and float(scaling.slope[1]) > 0
+    short, long = spike_per_row(torch.tensor(guard.calibration.threshold_values()[2]), scaling,
+                                torch.tensor([4.0, 512.0]))[:, 1].tolist()
+    assert short < mean_row - 0.05 and long > mean_row + 0.05, (short, mean_row, long)
+    evidence = symmetric_candidates(generator, 8, 512, 0.35)
+    mask = evidence.mask.clone()
+    mask[0, 4:] = 0  # a 4-token row
+    mask[2, 4:] = 0  # another, healthy
+    trainer = evidence.engine_logprobs.clone()  # no noise on the rows that carry a spike
+    trainer[2:] = evidence.trainer_logprobs[2:]
+    trainer[0, 1] -= (short + mean_row) / 2
+    trainer[1, 300] -= (mean_row + long) / 2
+    evidence = RolloutEvidence(mask, evidence.engine_logprobs, trainer)
+    state = guard.state_dict()
+    assert guard.inspect(evidence, step=31, sampling=SETTINGS).suspect.tolist() == [True] + [False] * 7
+    alike = RolloutGuard(config)
+    alike.load_state_dict(state)
+    monkeypatch.setattr(Calibration, "row_scaling", lambda self: None)
+    assert alike.inspect(evidence, step=31, sampling=SETTINGS).suspect.tolist() == [False, True] + [False] * 6

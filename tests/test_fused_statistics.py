@@ -198,6 +198,30 @@ def case_batch_spike_thresholds(fused):
     assert_same_packet(reference, fused(evidence, config, table, block=BLOCK), 12)
 
 
+def case_row_scaling(fused):
+    """Each row's own spike threshold (rollout_guard.statistics.spike_per_row) reaches the kernel: the same 3.4-nat
+    spike fires in an 8-token row (threshold 4 + 0.5 ln(8/100) = 2.7) and not in a 150-token one (4.2)."""
+    from rollout_guard.fused_statistics import kernel_parameters
+    from rollout_guard.statistics import RowScaling
+
+    config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
+    generator = torch.Generator().manual_seed(7)
+    engine = torch.full((4, 150), -0.1)
+    trainer = engine - 0.05 * torch.randn(4, 150, generator=generator)
+    trainer[0, 5] -= 3.4
+    trainer[1, 120] -= 3.4
+    mask = (torch.arange(150).unsqueeze(0) < torch.tensor([8, 150, 40, 150]).unsqueeze(1)).long()
+    evidence = RolloutEvidence(mask=mask, engine_logprobs=engine, trainer_logprobs=trainer)
+    scaling = RowScaling(torch.tensor([0.0, 0.4, 0.6, 0.5]), 1.5, 100.0)
+    layout = PacketLayout(4)
+    alike = reference_packet(evidence, config, CALIBRATED)
+    reference = reference_packet(evidence, config, CALIBRATED, scaling=scaling)
+    assert alike[layout.reasons].tolist() == [0, 0, 0, 0]
+    assert [bool(r) for r in reference[layout.reasons].tolist()] == [True, False, False, False]
+    table = kernel_parameters(config, CALIBRATED, "cpu", scaling=scaling)
+    assert_same_packet(reference, fused(evidence, config, table, block=BLOCK), 4)
+
+
 CASES = {
     "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
     "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),
@@ -209,6 +233,7 @@ CASES = {
     "histogram bin edges": case_histogram_bin_edges,
     "the batch's own centres": case_batch_centres,
     "the batch's own spike thresholds": case_batch_spike_thresholds,
+    "each row's own spike threshold": case_row_scaling,
 }
 
 
