@@ -115,9 +115,13 @@ def compare_packets(evidence: RolloutEvidence, guard: RolloutGuard) -> dict[str,
     from rollout_guard.fused_statistics import fused_packet
     from rollout_guard.packet import AGGREGATES
 
+    from rollout_guard.fused_statistics import kernel_parameters
+
     thresholds, drift = guard.calibration.thresholds(evidence.device), guard.calibration.drift_threshold_value()
-    reference = reference_packet(evidence, guard.config, thresholds, drift)
-    fused = fused_packet(evidence, guard.config, thresholds, drift_threshold=drift)
+    scaling = guard.calibration.row_scaling()  # each row's own spike threshold, as the guard judges
+    reference = reference_packet(evidence, guard.config, thresholds, drift, scaling)
+    fused = fused_packet(evidence, guard.config, kernel_parameters(guard.config, thresholds, evidence.device, drift,
+                                                                   scaling))
     layout = PacketLayout(evidence.batch_size)
     ref, got = reference[layout.samples].view(evidence.batch_size, -1), fused[layout.samples].view(evidence.batch_size, -1)
     exact = [COLUMN[name] for name in ("tokens", "compared_tokens", "confident_wrong_tokens", "first_divergent_token",
@@ -182,6 +186,7 @@ def main() -> None:
             guard = warm_guard(GuardConfig(calibration_warmup_tokens=1000), evidence, device, 8)
             assert bool(guard.calibration.warm().any()), "the benchmark should time a calibrated guard"
             row["check"] = compare_packets(evidence, guard)
+            row["row_scaling"] = guard.calibration.row_scaling() is not None
             # buckets not calibrated after the warm-up: those with enough tokens take the batch's pass every step
             row["uncalibrated_buckets"] = guard.calibration.calibrated_flags().count(False)
             row["batch_pass_every_step"] = guard.calibration.uncalibrated_on(device, rows) is not None
