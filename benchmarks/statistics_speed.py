@@ -118,7 +118,7 @@ def compare_packets(evidence: RolloutEvidence, guard: RolloutGuard) -> dict[str,
     from rollout_guard.fused_statistics import kernel_parameters
 
     thresholds, drift = guard.calibration.thresholds(evidence.device), guard.calibration.drift_threshold_value()
-    scaling = guard.calibration.row_scaling()  # each row's own spike threshold, as the guard judges
+    scaling = guard.calibration.row_scaling(evidence.device)  # each row's own spike threshold, as the guard judges
     reference = reference_packet(evidence, guard.config, thresholds, drift, scaling)
     fused = fused_packet(evidence, guard.config, kernel_parameters(guard.config, thresholds, evidence.device, drift,
                                                                    scaling))

@@ -55,7 +55,8 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import (
-    BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, RowScaling, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM,
+    BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM,
+    RowScaling,
     Thresholds, to_device,
 )
 
@@ -88,8 +89,8 @@ def spike_quantile(histogram: Sequence[float], tokens: float, alpha: float) -> f
     calibrated threshold above its data: measured on the fidelity benchmark (1,000 faults per condition), reading
     inside the bin alone took late onset missed 218 → 186 of 27,000, moderate 32 → 28, single spikes 29 → 24,
     isolated 367 → 358, and flagged resampled judgements 27 → 19 of 888,995 (the thresholds of tokens no side
-    found likely read their 5-token tail inside the bin too); false quarantines unchanged (7). Host arithmetic on a few dozen
-    numbers per bucket.
+    found likely read their 5-token tail inside the bin too); false quarantines unchanged (7). Host arithmetic on a
+    few dozen numbers per bucket.
 
     Args:
         histogram: (NUM_EXCESS_BINS,) counts.
@@ -344,7 +345,7 @@ class Calibration:
         self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
         self._drift_rows = 0.0  # decayed kept samples since the bucket thresholds last changed kind
         self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
-        self._device_flags: dict[str, torch.Tensor] = {}  # per device, until the next update
+        self._device_flags: dict[str, torch.Tensor] = {}  # flags and slopes per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
         self._row_scaling: tuple[list[float], float, float] = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)
@@ -487,15 +488,18 @@ class Calibration:
         own (:data:`UNANNOUNCED_FOLLOW` for a guard that is not told the sampling settings; ``None``: never)."""
         return None if self._announced else UNANNOUNCED_FOLLOW
 
-    def row_scaling(self) -> RowScaling | None:
+    def row_scaling(self, device: torch.device | str = "cpu") -> RowScaling | None:
         """How the calibrated spike thresholds move with a row's own spike candidates
-        (:func:`rollout_guard.statistics.spike_per_row`), or ``None`` where no bucket's does (computed with the
-        thresholds, until the next update)."""
+        (:func:`rollout_guard.statistics.spike_per_row`; the slopes on ``device``), or ``None`` where no bucket's
+        does (computed with the thresholds, kept until the next update)."""
         self.threshold_values()
         slopes, floor, candidates = self._row_scaling
         if not any(slope > 0 for slope in slopes):
             return None
-        return RowScaling(torch.tensor(slopes, dtype=torch.float32), floor, candidates)
+        key = f"slopes:{device}"
+        if key not in self._device_flags:
+            self._device_flags[key] = to_device(torch.tensor(slopes, dtype=torch.float32), device)
+        return RowScaling(self._device_flags[key], floor, candidates)
 
     def thresholds(self, device: torch.device | str = "cpu") -> Thresholds:
         """The thresholds the next step uses, as (K,) float32 tensors on ``device`` (kept until the next update)."""

@@ -218,7 +218,7 @@ class RolloutGuard:
             packet = fused_statistics.fused_packet(evidence, self.config, table)
         else:
             packet = reference_packet(evidence, self.config, thresholds, self.calibration.drift_threshold_value(),
-                                      self.calibration.row_scaling())
+                                      self.calibration.row_scaling(evidence.device))
         return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:

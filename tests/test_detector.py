@@ -888,5 +888,5 @@ def test_a_short_row_is_judged_by_its_own_budget_and_a_long_one_too(monkeypatch)
     assert guard.inspect(evidence, step=31, sampling=SETTINGS).suspect.tolist() == [True] + [False] * 7
     alike = RolloutGuard(config)
     alike.load_state_dict(state)
-    monkeypatch.setattr(Calibration, "row_scaling", lambda self: None)
+    monkeypatch.setattr(Calibration, "row_scaling", lambda self, device="cpu": None)
     assert alike.inspect(evidence, step=31, sampling=SETTINGS).suspect.tolist() == [False, True] + [False] * 6
