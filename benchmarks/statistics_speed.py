@@ -247,7 +247,8 @@ def main() -> None:
     for row in rows_out:
         if "host_syncs_per_step" in row:
             print(f"host syncs per step at {row['rows']}×{row['tokens_per_row']}: {row['host_syncs_per_step']}; "
-                  f"a first step (the batch's own centres and spike thresholds): {row['guard_fused_first_step_ms']:.3f} ms "
+                  f"a first step (the batch's own centres and spike thresholds): "
+                  f"{row['guard_fused_first_step_ms']:.3f} ms "
                   f"(centres only: {row['guard_fused_first_step_centres_only_ms']:.3f} ms), "
                   f"never told the settings: {row['guard_fused_untold_ms']:.3f} ms, "
                   f"{row['host_syncs_first_step']} host sync(s); warm guard: {row['uncalibrated_buckets']} bucket(s) "
