@@ -135,7 +135,8 @@ def cusum_drawup(increments: torch.Tensor, valid: torch.Tensor) -> tuple[torch.T
 class Thresholds(NamedTuple):
     """Per engine-logprob bucket (NUM_ENGINE_BUCKETS,) tensors the detector statistics need: the centre of
     healthy ``d`` (nats), the CUSUM allowance (nats per token), the spike threshold on ``|x|`` of spike candidates
-    (nats) and the one on ``|x|`` of the other tokens, which neither side found likely (nats; +inf: not judged)."""
+    (nats; for the mean row: each row's own comes from :func:`spike_per_row`) and the one on ``|x|`` of the other
+    tokens, which neither side found likely (nats; +inf: not judged)."""
 
     centre: torch.Tensor
     allowance: torch.Tensor
