@@ -399,12 +399,19 @@ class Calibration:
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
         # a bucket that read its own tail since the last restart carries that reading (+inf for a heavy tail)
-        carried_unlikely = [t if f and bucket[0] >= UNLIKELY_MIN_TOKENS else c
-                            for t, f, c, bucket in zip(values[3], flags, self._carried_unlikely, self._unlikely,
-                                                       strict=True)]
+        carried_unlikely = [t if read else c
+                            for t, read, c in zip(values[3], self._unlikely_read(), self._carried_unlikely,
+                                                  strict=True)]
         announced = self._announced
         self.__init__(self.config)  # every piece of state, fresh
         self._announced, self._carried, self._carried_unlikely = announced, carried, carried_unlikely
+
+    def _unlikely_read(self) -> list[bool]:
+        """Per bucket: its threshold for tokens no side found likely is read from its own such tokens (calibrated,
+        and at least :data:`UNLIKELY_MIN_TOKENS` of them since the start or the last restart); else the one carried
+        through the restart applies."""
+        return [w and bucket[0] >= UNLIKELY_MIN_TOKENS
+                for w, bucket in zip(self.calibrated_flags(), self._unlikely, strict=True)]
 
     def _forget_readings(self) -> None:
         """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
@@ -524,6 +531,7 @@ class Calibration:
         warm, centred = self.calibrated_flags(), self.centred_flags()
         centre = [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)]
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
+        carried_unlikely = [max(fixed_spike, c) for c in self._carried_unlikely]  # +inf where none was carried
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = (sum(bucket[0] for bucket in self._sums) / self.rows if self.rows > 0
                              else sum(self._fresh) / max(self._fresh_rows, 1.0))  # before the sums are fed
@@ -533,7 +541,7 @@ class Calibration:
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if own else fixed_allowance
                      for v, own in zip(self._variance, centred, strict=True)]
         if not any(warm):
-            return centre, allowance, uncalibrated, [max(fixed_spike, c) for c in self._carried_unlikely]
+            return centre, allowance, uncalibrated, carried_unlikely
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
@@ -550,10 +558,9 @@ class Calibration:
                               for bucket, q, w, n in zip(self._sums, quantile, warm, candidates, strict=True)],
                              floor, max(per_sample, 1.0))
         cap = config.spike_excess if config.spike_excess is not None else math.inf
-        # too few such tokens since the restart: the threshold carried through it (+inf where none was)
-        unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor)
-                    if w and bucket[0] >= UNLIKELY_MIN_TOKENS else max(fixed_spike, c)
-                    for bucket, w, c in zip(self._unlikely, warm, self._carried_unlikely, strict=True)]
+        unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor) if read else carried
+                    for bucket, read, carried in zip(self._unlikely, self._unlikely_read(), carried_unlikely,
+                                                     strict=True)]
         return centre, allowance, spike, unlikely
 
     def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None) -> None:
