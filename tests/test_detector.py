@@ -713,7 +713,7 @@ def test_a_bucket_not_yet_calibrated_takes_its_spike_threshold_from_the_batch(mo
 def test_a_noisy_batch_reads_a_spike_threshold_above_its_noise_and_no_healthy_row_fires(sigma, read):
     """The batch's reading never flags its own healthy tail: Gaussian noise of σ = 0.5 nats (16,384 tokens, the
     largest |x| ≈ 4 σ = 2 nats) reads 2.67 nats, below the fixed 4 (used); σ = 0.8 puts 0.6 % of its tokens past
-    the clip's −2-nat edge, more than half the upper anchor's 1 %: not read, the fixed 4 stays. Either way no row
+    the clip's −2-nat edge and as many past +2, so its 1 % point lies on the edge: not read, the fixed 4 stays. Either way no row
     of the first step is flagged."""
     from rollout_guard.statistics import batch_thresholds
 
@@ -732,8 +732,8 @@ def test_a_noisy_batch_reads_a_spike_threshold_above_its_noise_and_no_healthy_ro
 
 
 def test_a_batch_whose_tokens_pile_on_the_clip_keeps_the_uncalibrated_spike_threshold():
-    """A bucket with more than half its upper anchor's share of tokens on the clip's edges (d ≥ 4 or ≤ −2 nats)
-    cannot read its tail from the clipped grid: +inf, so the uncalibrated threshold stays (here 5 % of the
+    """A bucket whose upper anchor lies on the clip's edge (more tokens at d ≥ 4 or ≤ −2 nats than the anchor
+    allows) cannot read its tail from the clipped grid: +inf, so the uncalibrated threshold stays (here 5 % of the
     tokens sit past 4 nats, a run broken in a few rows from step 1)."""
     from rollout_guard.statistics import BATCH_CENTRE_GRID, batch_spike_thresholds
 
@@ -743,6 +743,41 @@ def test_a_batch_whose_tokens_pile_on_the_clip_keeps_the_uncalibrated_spike_thre
     histogram[1, 210] = 50.0  # the same 5 % at d = 0.1 instead
     read = batch_spike_thresholds(histogram, torch.zeros(2), histogram.sum(1), torch.tensor(64.0), 0.5, 1.5)
     assert math.isinf(float(read[0])) and float(read[1]) == pytest.approx(1.5)
+
+
+def test_a_corrupted_row_on_the_clip_does_not_cost_the_batch_its_spike_threshold(monkeypatch):
+    """Tokens on the clip's edge are further out than any distance the reading's anchors land on below it, so they
+    count as beyond them and the reading stays exact; only an anchor on the edge itself is unknown. One corrupted
+    row with 30 tokens 5 nats off (0.7 % of a quiet step's 4,096 tokens, past half the 1 % anchor) had made the
+    step keep the fixed 4 nats (the fidelity benchmark's top-k = 5 streams: warm-up steps beside a gibberish row),
+    so a 3-nat single spike beside it went unseen at step 1. Now both are caught and no healthy row; with the
+    old count of edge tokens (more than half the anchor's share: +inf) the spike is missed."""
+    from rollout_guard import statistics as statistics_module
+
+    config = GuardConfig(**ONLY_DETECTOR)
+
+    def judged() -> tuple[list[bool], list[bool]]:
+        generator = torch.Generator().manual_seed(23)
+        evidence = spiked(offset_candidates(generator, 64, 64, 0.05, 0.3), 5, 3.0)
+        trainer = evidence.trainer_logprobs.clone()
+        trainer[40, :30] -= 5.0  # a corrupted row: 30 of its tokens past the clip's 4-nat edge
+        injected = evidence.injected.clone()
+        injected[40] = True
+        evidence = RolloutEvidence(evidence.mask, evidence.engine_logprobs, trainer, injected=injected)
+        return RolloutGuard(config).inspect(evidence, step=1, sampling=SETTINGS).suspect.tolist(), injected.tolist()
+
+    suspect, injected = judged()
+    assert suspect == injected
+    original = statistics_module.batch_spike_thresholds
+
+    def counting_the_edges(histogram, centre, count, per_row, budget, floor):
+        read = original(histogram, centre, count, per_row, budget, floor)
+        p1 = torch.clamp(torch.maximum(torch.full_like(count, 0.01), 20.0 / count.clamp(min=1.0)), max=0.1)
+        return torch.where(histogram[:, 0] + histogram[:, -1] <= p1 * count / 2, read, math.inf)
+
+    monkeypatch.setattr(statistics_module, "batch_spike_thresholds", counting_the_edges)
+    suspect, _ = judged()
+    assert not suspect[5] and suspect[40], "with the edge count the step keeps 4 nats and misses the spike"
 
 
 def quiet_unlikely_calibration(config: GuardConfig, tail_at: float) -> Calibration:
