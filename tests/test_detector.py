@@ -748,10 +748,11 @@ def test_a_batch_whose_tokens_pile_on_the_clip_keeps_the_uncalibrated_spike_thre
 def test_a_corrupted_row_on_the_clip_does_not_cost_the_batch_its_spike_threshold(monkeypatch):
     """Tokens on the clip's edge are further out than any distance the reading's anchors land on below it, so they
     count as beyond them and the reading stays exact; only an anchor on the edge itself is unknown. One corrupted
-    row with 30 tokens 5 nats off (0.7 % of a quiet step's 4,096 tokens, past half the 1 % anchor) had made the
-    step keep the fixed 4 nats (the fidelity benchmark's top-k = 5 streams: warm-up steps beside a gibberish row),
-    so a 3-nat single spike beside it went unseen at step 1. Now both are caught and no healthy row; with the
-    old count of edge tokens (more than half the anchor's share: +inf) the spike is missed."""
+    row with 30 tokens 4.1 nats off (past the clip's 4-nat edge, yet 3.8 from the 0.3-nat centre: inside the fixed
+    threshold, so the row stays in the reading; 0.7 % of a quiet step's 4,096 tokens, past half the 1 % anchor)
+    had made the step keep the fixed 4 nats (the fidelity benchmark's top-k = 5 streams: warm-up steps beside a
+    gibberish row), so a 3-nat single spike beside it went unseen at step 1. Now both are caught and no healthy
+    row; with the old count of edge tokens (more than half the anchor's share: +inf) the spike is missed."""
     from rollout_guard import statistics as statistics_module
 
     config = GuardConfig(**ONLY_DETECTOR)
@@ -760,7 +761,7 @@ def test_a_corrupted_row_on_the_clip_does_not_cost_the_batch_its_spike_threshold
         generator = torch.Generator().manual_seed(23)
         evidence = spiked(offset_candidates(generator, 64, 64, 0.05, 0.3), 5, 3.0)
         trainer = evidence.trainer_logprobs.clone()
-        trainer[40, :30] -= 5.0  # a corrupted row: 30 of its tokens past the clip's 4-nat edge
+        trainer[40, :30] -= 3.8  # a corrupted row: 30 of its tokens past the clip's 4-nat edge
         injected = evidence.injected.clone()
         injected[40] = True
         evidence = RolloutEvidence(evidence.mask, evidence.engine_logprobs, trainer, injected=injected)
@@ -778,6 +779,29 @@ def test_a_corrupted_row_on_the_clip_does_not_cost_the_batch_its_spike_threshold
     monkeypatch.setattr(statistics_module, "batch_spike_thresholds", counting_the_edges)
     suspect, _ = judged()
     assert not suspect[5] and suspect[40], "with the edge count the step keeps 4 nats and misses the spike"
+
+
+def test_rows_the_thresholds_in_use_flag_do_not_feed_the_batchs_spike_reading():
+    """Two corrupted rows whose tokens run from 0.5 to 5 nats off (3 % of a quiet step's tokens, most inside the
+    clip) lift the step's 1 % point to ~2 nats, and the reading extrapolated from it lies past the fixed 4: a
+    3-nat single spike in another row went unseen at step 1. Their rows hold a token the thresholds in use flag
+    (5 nats ≥ 4), so they are left out of the reading: the spike is caught, the corrupted rows too, no healthy row
+    (fails with the corrupted rows in the reading)."""
+    from rollout_guard.statistics import batch_thresholds
+
+    config = GuardConfig(**ONLY_DETECTOR)
+    generator = torch.Generator().manual_seed(24)
+    evidence = spiked(offset_candidates(generator, 64, 64, 0.05, 0.3), 5, 3.0)
+    trainer = evidence.trainer_logprobs.clone()
+    trainer[40:42] -= torch.linspace(0.5, 5.0, 64)  # moderate corruption: most tokens a little, the last 5 nats
+    injected = evidence.injected.clone()
+    injected[40:42] = True
+    evidence = RolloutEvidence(evidence.mask, evidence.engine_logprobs, trainer, injected=injected)
+    own = torch.ones(NUM_ENGINE_BUCKETS, dtype=torch.bool)
+    thresholds, _ = batch_thresholds(evidence, config, Thresholds.fixed(config), own, spiky=own, spike_floor=1.5)
+    assert float(thresholds.spike[2]) == pytest.approx(1.5)
+    suspect = RolloutGuard(config).inspect(evidence, step=1, sampling=SETTINGS).suspect
+    assert suspect.tolist() == injected.tolist()
 
 
 def quiet_unlikely_calibration(config: GuardConfig, tail_at: float) -> Calibration:
