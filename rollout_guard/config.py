@@ -99,7 +99,7 @@ class GuardConfig:
     nats, and the pooled hybrid-tail stream over 0.1 %). (In 2026-11 with the budget quantile read directly, before
     :func:`rollout_guard.calibration.extrapolated_quantile`, 1.5 had fired on those top-k = 20 rows.) Default 1.5."""
 
-    spike_min_engine_logprob: float = math.log(0.05)
+    spike_min_engine_logprob: float = -3.0
     """nats. A token the engine gave at least this logprob is a ``directional_spike`` candidate (either direction).
     Corruption puts tokens the engine found likely (stale state: −2.5…−0.5 nats in the fault zoo; after a top-k=5
     policy's flattening, down to −3.6), while healthy runs put their large |Δ| (10–18 nats in 7B runs,
@@ -109,7 +109,14 @@ class GuardConfig:
     condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled (top-k=5 condition 57–59 → 94–99 %),
     late onset 93.5 → 96.9 %, isolated spikes 92.5 → 95.0 %, at 1–2 more false quarantines in three of the 27
     conditions (of 7,040–15,488 clean samples each) as long as the trainer side keeps its own, higher cut
-    (``spike_min_trainer_logprob``). Default ln 0.05 ≈ −3.0."""
+    (``spike_min_trainer_logprob``). Default −3.0 (≈ ln 0.0498): the lowest edge of the engine-logprob buckets
+    (:data:`rollout_guard.statistics.ENGINE_BUCKET_EDGES`), so that every token of the buckets above it is a
+    candidate. At ln 0.05 (−2.9957) a token between the two belonged to the bucket above −3 nats without being a
+    candidate, and that bucket's own threshold for tokens no side found likely never filled: such a token was not
+    judged at any size (the top-k = 5 streams' flattening puts a few corrupted tokens there; measured on the
+    fidelity benchmark, 1,000 faults per condition: single spikes missed 8 → 7 of 27,000, nothing else moved). A
+    cut above −3 nats leaves the tokens between −3 and the cut to that bucket's threshold for tokens no side found
+    likely (judged once it holds 100,000 of them)."""
 
     spike_min_trainer_logprob: float = math.log(0.2)
     """nats. A token the trainer gave at least this logprob is a ``directional_spike`` candidate too (an engine

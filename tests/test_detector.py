@@ -74,7 +74,21 @@ def test_spike_candidates_have_a_lower_cut_on_the_engine_side_than_on_the_traine
     assert margin[0] == pytest.approx(6.0 - 4.0, abs=1e-5)
     assert margin[1] == pytest.approx(0.0 - 4.0, abs=1e-5), "only the equal token is a candidate"
     assert margin[2] == pytest.approx(7.6 + math.log(0.2) - 4.0, abs=1e-5)
-    assert margin[3] == pytest.approx(0.0 - 4.0, abs=1e-5), "the engine just below its cut (ln 0.05 ≈ −3.0)"
+    assert margin[3] == pytest.approx(0.0 - 4.0, abs=1e-5), "the engine just below its cut (−3.0)"
+
+
+def test_every_token_of_the_buckets_above_the_lowest_is_a_spike_candidate():
+    """The engine's candidate cut is the lowest bucket edge (−3 nats). At ln 0.05 (−2.9957), a token the engine
+    gave −2.998 sat in the bucket above −3 nats without being a candidate, and was judged only by that bucket's
+    threshold for tokens no side found likely, which never fills from so thin a band: a 9-nat spike there was
+    never flagged (the fidelity benchmark's top-k = 5 streams). Now it is, at step 1 as later; at −3.002 it is
+    the lowest bucket's business (not a candidate; no threshold for such tokens before 100,000 of them)."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    engine = [[-2.998, -0.1], [-3.002, -0.1]]
+    trainer = [[-11.998, -0.1], [-12.002, -0.1]]
+    assert RolloutGuard(config).inspect(rows(engine, trainer), step=1).suspect.tolist() == [True, False]
+    old = GuardConfig(**ONLY_DETECTOR, spike_min_engine_logprob=math.log(0.05))
+    assert RolloutGuard(old).inspect(rows(engine, trainer), step=1).suspect.tolist() == [False, False]
 
 
 def test_spike_threshold_is_borderline_exact():
