@@ -242,8 +242,8 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     the fixed ``spike_excess`` (4 nats): a 3-nat spike in a quiet run went unseen in the first steps of a run and
     after each change of the sampling settings (measured on the fidelity benchmark: single spikes missed 46 → 32 of
     27,000, no more false quarantines). The reading leaves out the rows the thresholds in use already flag (a token
-    of a bucket above the lowest at least its spike threshold from its centre; a second histogram of the kept
-    rows): a corrupted row's many moderately-off tokens lifted the batch's 1 % point and the reading with it, so
+    of a bucket above the lowest at least its spike threshold, the mean row's, from its centre; a second histogram
+    of the rows left): a corrupted row's many moderately-off tokens lifted the batch's 1 % point and the reading with it, so
     that a step with a few corrupted rows kept the fixed 4 nats (measured on the fidelity benchmark, 1,000 faults
     per condition: single spikes missed 20 → 8, late onset 116 → 102, isolated spikes 354 → 347 of 27,000; false
     quarantines 7 → 7, flagged resampled judgements 19 → 20).
@@ -342,10 +342,11 @@ def batch_spike_thresholds(histogram: torch.Tensor, centre: torch.Tensor, count:
     the edge its distance is not known. (Counting the edge tokens instead, +inf past ``p_1 / 2`` of them, one
     corrupted row 5 nats off cost a quiet step its reading: measured on the fidelity benchmark, 1,000 faults per
     condition, single spikes missed 23 → 20 and isolated ones 355 → 354 of 27,000, false quarantines unchanged.)
-    Read in the body, like the calibrated threshold, but from the whole batch, corrupted rows included, hence its
-    upper anchor at 1 % rather than the calibration's 0.1 % (:data:`rollout_guard.calibration.TAIL_ANCHOR`): a
-    batch's own single spikes (a few tokens in thousands) sit in its 0.1 % tail and lifted the reading (measured
-    on the fidelity benchmark: single spikes missed 24 → 35 of 27,000 with the anchor at 0.1 %).
+    Read in the body, like the calibrated threshold, but from the batch, whose corrupted rows below the thresholds
+    in use stay in it (:func:`batch_thresholds` leaves out the others), hence its upper anchor at 1 % rather than the
+    calibration's 0.1 % (:data:`rollout_guard.calibration.TAIL_ANCHOR`): a batch's own single spikes (a few tokens
+    in thousands) sit in its 0.1 % tail and lifted the reading (measured on the fidelity benchmark: single spikes
+    missed 24 → 35 of 27,000 with the anchor at 0.1 %).
 
     Args:
         histogram: (K, G) counts of clip(d) on the grid's G cells.
@@ -427,13 +428,15 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
 
     # direction-aware detector: x = d − centre of the token's engine bucket
     bucket = engine_bucket(torch.where(engine_ok, engine, torch.zeros_like(engine)))
-    centre, allowance, spike, unlikely_spike = (t.to(device=valid.device, dtype=torch.float32)[bucket]
-                                                for t in thresholds)
+    centre, allowance, unlikely_spike = (t.to(device=valid.device, dtype=torch.float32)[bucket]
+                                         for t in (thresholds.centre, thresholds.allowance, thresholds.unlikely_spike))
     excess = torch.where(both, (engine - trainer) - centre, torch.zeros_like(engine))
     likely = both & ((engine >= config.spike_min_engine_logprob) | (trainer >= config.spike_min_trainer_logprob))
+    spike_table = thresholds.spike.to(device=valid.device, dtype=torch.float32)
     if scaling is not None:  # each row's own threshold per bucket
-        per_row = spike_per_row(thresholds.spike.to(valid.device), scaling, likely.sum(dim=-1))
-        spike = per_row.gather(1, bucket)
+        spike = spike_per_row(spike_table, scaling, likely.sum(dim=-1)).gather(1, bucket)
+    else:
+        spike = spike_table[bucket]
     over = _masked_max(excess.abs() - torch.where(likely, spike, unlikely_spike), both)
     spike_margin = torch.where(over == -math.inf, nan_row, over)  # no token that can fire (all thresholds +inf)
     clipped = excess.clamp(*EXCESS_CLIP)
