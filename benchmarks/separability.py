@@ -100,6 +100,19 @@ def best_recall(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor])
     return best
 
 
+def false_at_goal(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor]) -> float:
+    """The smallest share of clean samples the oracle must flag to catch ``GOAL_RECALL`` of the faulty ones, over
+    the scores one at a time: the threshold is the faulty scores' ``1 − GOAL_RECALL`` quantile (samples at or above
+    it are flagged), the share that of the clean samples at or above it. The price of the goal in a cell the bound
+    puts below it (one point of the trade-off curve)."""
+    best = 1.0
+    for name, scores in faulty.items():
+        ranked = scores.sort().values
+        threshold = ranked[int(math.floor((1 - GOAL_RECALL) * ranked.numel()))]
+        best = min(best, float((clean[name] >= threshold).float().mean()))
+    return best
+
+
 @app.command()
 def main(
     data: str = typer.Option(DEFAULT_DATA, help="glob of parquet files, as benchmarks/fidelity.py"),
@@ -121,13 +134,17 @@ def main(
     if guard_results.exists():
         guard = {r["condition"]: r["figures"] for r in json.loads(guard_results.read_text())["results"]}
     bound: dict[str, dict[str, float]] = {}
+    price: dict[str, dict[str, float]] = {}  # false share the oracle needs for the goal, where the bound is below
     for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows):
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         clean = apply(clean)  # once, after the faults, as benchmarks/fidelity.py draws it
         rarity = Rarity(clean)
         clean_scores = rarity.scores(clean)
-        bound[name] = {fault: best_recall(clean_scores, rarity.scores(rows)) for fault, rows in sorted(faulty.items())}
+        scored = {fault: rarity.scores(rows) for fault, rows in sorted(faulty.items())}
+        bound[name] = {fault: best_recall(clean_scores, scores) for fault, scores in scored.items()}
+        price[name] = {fault: false_at_goal(clean_scores, scores) for fault, scores in scored.items()
+                       if bound[name][fault] < GOAL_RECALL}
         print(name, {fault: round(100 * value, 1) for fault, value in bound[name].items()}, flush=True)
     faults = sorted({fault for cells in bound.values() for fault in cells})
     lines = ["| condition | " + " | ".join(faults) + " |", "|" + " --- |" * (1 + len(faults))]
@@ -149,14 +166,20 @@ def main(
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "separability.json").write_text(json.dumps({"seed": seed, "faults_per_condition": faults_per_condition,
-                                                       "goal_false_rate": GOAL_FALSE_RATE, "bound": bound}, indent=1))
+                                                       "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
+                                                       "false_at_goal": price}, indent=1))
+    priced = [f"| {name} | {fault} | {100 * bound[name][fault]:.1f} | {100 * share:.2f} % |"
+              for name, cells in price.items() for fault, share in sorted(cells.items())]
     summary = (f"Cells whose hindsight bound reaches {100 * GOAL_RECALL:g} %: {within}; the guard "
                f"({guard_results.name}) is below the goal in {guard_short} of them.")
     (out / "separability.md").write_text(
         "# Hindsight separability bound (`benchmarks/separability.py`)\n\nRecall (%) at ≤ 0.1 % false quarantines "
         "of a detector that knows each condition's clean tokens in full and sets its thresholds with the labels "
         f"(see the script's docstring); in brackets the guard's recall from `{guard_results.name}`.\n\n"
-        + "\n".join(lines) + f"\n\n{summary}\n")
+        + "\n".join(lines) + f"\n\n{summary}\n\nWhere the bound is below {100 * GOAL_RECALL:g} %, the share of clean "
+        f"samples the same oracle must quarantine to reach it (one score; the goal allows {100 * GOAL_FALSE_RATE:g} %):"
+        "\n\n| condition | fault | bound (%) | false quarantines for the goal |\n| --- | --- | --- | --- |\n"
+        + "\n".join(priced) + "\n")
     print("\n".join(lines))
     print(f"{summary} ({time.perf_counter() - started:.0f} s)")
 
