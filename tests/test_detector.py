@@ -727,8 +727,8 @@ def test_a_bucket_not_yet_calibrated_takes_its_spike_threshold_from_the_batch(mo
 def test_a_noisy_batch_reads_a_spike_threshold_above_its_noise_and_no_healthy_row_fires(sigma, read):
     """The batch's reading never flags its own healthy tail: Gaussian noise of σ = 0.5 nats (16,384 tokens, the
     largest |x| ≈ 4 σ = 2 nats) reads 2.67 nats, below the fixed 4 (used); σ = 0.8 puts 0.6 % of its tokens past
-    the clip's −2-nat edge and as many past +2, so its 1 % point lies on the edge: not read, the fixed 4 stays. Either way no row
-    of the first step is flagged."""
+    the clip's −2-nat edge and as many past +2, so its 1 % point lies on the edge: not read, the fixed 4 stays.
+    Either way no row of the first step is flagged."""
     from rollout_guard.statistics import batch_thresholds
 
     config = GuardConfig(**ONLY_DETECTOR)
