@@ -43,22 +43,27 @@ EDGES = torch.tensor([-6.0, -3.0, -1.5, -0.5])  # nats, for both sides' logprob 
 app = typer.Typer(add_completion=False)
 
 
-def _cells(rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, T) finite-and-compared flags, (B,) rows with a non-finite logprob, (B, T) cell index, (B, T) |d|."""
+def _cells(rollouts: Rollouts, trainer_bins: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T) finite-and-compared flags, (B,) rows with a non-finite logprob, (B, T) cell index, (B, T) |d|.
+    Without ``trainer_bins`` the cells are the engine's logprob bins and the sign of d only (as the guard buckets)."""
     compared = rollouts.mask & torch.isfinite(rollouts.engine) & torch.isfinite(rollouts.trainer)
     nonfinite = (rollouts.mask & ~compared).any(dim=-1)
     d = torch.where(compared, rollouts.engine - rollouts.trainer, 0.0)
     bins = len(EDGES) + 1
     cell = torch.bucketize(rollouts.engine.clamp(min=-1e9, max=0.0), EDGES) * bins
-    cell = (cell + torch.bucketize(rollouts.trainer.clamp(min=-1e9, max=0.0), EDGES)) * 2 + (d > 0).long()
+    if trainer_bins:
+        cell = cell + torch.bucketize(rollouts.trainer.clamp(min=-1e9, max=0.0), EDGES)
+    cell = cell * 2 + (d > 0).long()
     return compared, nonfinite, cell, d.abs()
 
 
 class Rarity:
     """The clean tokens' |d| per cell, sorted: the joint tail probability of any token, by binary search."""
 
-    def __init__(self, clean: Rollouts) -> None:
-        compared, _, cell, size = _cells(clean)
+    def __init__(self, clean: Rollouts, trainer_bins: bool = True) -> None:
+        self.trainer_bins = trainer_bins
+        compared, _, cell, size = _cells(clean, trainer_bins)
         self.tokens = int(compared.sum())
         cell, size = cell[compared], size[compared]
         order = torch.argsort(cell.double() * 1e3 + size.double().clamp(max=999.0))  # by cell, then by |d|
@@ -66,7 +71,7 @@ class Rarity:
 
     def scores(self, rollouts: Rollouts) -> dict[str, torch.Tensor]:
         """(B,) scores A, B, C of each sample (+inf with a non-finite logprob)."""
-        compared, nonfinite, cell, size = _cells(rollouts)
+        compared, nonfinite, cell, size = _cells(rollouts, self.trainer_bins)
         key = self.cell.double() * 1e3 + self.size.double().clamp(max=999.0)
         # clean tokens of the same cell with |d'| ≥ |d|: end of the cell minus the first position at or above |d|
         end = torch.searchsorted(self.cell.contiguous(), cell.contiguous(), right=True)
@@ -122,6 +127,8 @@ def main(
     guard_results: Path = typer.Option(REPO / "benchmarks" / "results-fidelity" / "results-defaults.json",
                                        help="the guard's results beside which to print the bound (optional)"),
     out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for separability.json/.md"),
+    trainer_bins: bool = typer.Option(True, help="cells by both sides' logprob bins and the sign of d; off: by the "
+                                      "engine's bins and the sign only, as the guard buckets (separability-engine.*)"),
 ) -> None:
     paths = sorted(glob.glob(data))
     if not paths:
@@ -139,7 +146,7 @@ def main(
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         clean = apply(clean)  # once, after the faults, as benchmarks/fidelity.py draws it
-        rarity = Rarity(clean)
+        rarity = Rarity(clean, trainer_bins)
         clean_scores = rarity.scores(clean)
         scored = {fault: rarity.scores(rows) for fault, rows in sorted(faulty.items())}
         bound[name] = {fault: best_recall(clean_scores, scores) for fault, scores in scored.items()}
@@ -165,15 +172,18 @@ def main(
             row.append(cell)
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "separability.json").write_text(json.dumps({"seed": seed, "faults_per_condition": faults_per_condition,
+    stem = "separability" if trainer_bins else "separability-engine"
+    (out / f"{stem}.json").write_text(json.dumps({"seed": seed, "faults_per_condition": faults_per_condition,
                                                        "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
                                                        "false_at_goal": price}, indent=1))
     priced = [f"| {name} | {fault} | {100 * bound[name][fault]:.1f} | {100 * share:.2f} % |"
               for name, cells in price.items() for fault, share in sorted(cells.items())]
     summary = (f"Cells whose hindsight bound reaches {100 * GOAL_RECALL:g} %: {within}; the guard "
                f"({guard_results.name}) is below the goal in {guard_short} of them.")
-    (out / "separability.md").write_text(
-        "# Hindsight separability bound (`benchmarks/separability.py`)\n\nRecall (%) at ≤ 0.1 % false quarantines "
+    (out / f"{stem}.md").write_text(
+        "# Hindsight separability bound (`benchmarks/separability.py`"
+        + ("" if trainer_bins else " --no-trainer-bins: cells by the engine's logprob and the sign of d only")
+        + ")\n\nRecall (%) at ≤ 0.1 % false quarantines "
         "of a detector that knows each condition's clean tokens in full and sets its thresholds with the labels "
         f"(see the script's docstring); in brackets the guard's recall from `{guard_results.name}`.\n\n"
         + "\n".join(lines) + f"\n\n{summary}\n\nWhere the bound is below {100 * GOAL_RECALL:g} %, the share of clean "
