@@ -238,7 +238,8 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     ``calibration_warmup_tokens``) is judged with the lower of its threshold and the batch's own reading
     (:func:`batch_spike_thresholds`, around the centre it is judged with, never below ``spike_floor``), where the
     batch holds enough of its tokens; only above the lowest bucket (engine logprob ≥ −3 nats), where every token is
-    a spike candidate, so the histogram of all its tokens is the candidates'. Until then such a bucket was judged by
+    a spike candidate at the default ``spike_min_engine_logprob`` (−3 nats; a higher cut would let this reading
+    count some non-candidates), so the histogram of all its tokens is the candidates'. Until then such a bucket was judged by
     the fixed ``spike_excess`` (4 nats): a 3-nat spike in a quiet run went unseen in the first steps of a run and
     after each change of the sampling settings (measured on the fidelity benchmark: single spikes missed 46 → 32 of
     27,000, no more false quarantines). The reading leaves out the rows the thresholds in use already flag (a token
