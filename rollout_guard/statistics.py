@@ -280,7 +280,8 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     cells = BATCH_CENTRE_GRID + 1
     # one histogram of (bucket, clip(d) on the grid) for everything: torch.histc bins in shared memory on CUDA and
     # never syncs with the host (scatter atomics onto a few hot cells cost 2-38 ms per step on an H200)
-    cell = ((engine - trainer).clamp(low, high) - low) * (BATCH_CENTRE_GRID / (high - low))
+    d = engine - trainer
+    cell = (d.clamp(low, high) - low) * (BATCH_CENTRE_GRID / (high - low))
     bucket = engine_bucket(torch.where(both, engine, torch.zeros_like(engine)))
     key = bucket * cells + cell.round()
     key = torch.where(both, key.float(), torch.full_like(engine, -1.0))  # not compared: outside the range, not counted
@@ -314,7 +315,7 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     if spiky is not None:
         floor = config.calibrated_spike_floor if spike_floor is None else spike_floor
         likely = torch.arange(NUM_ENGINE_BUCKETS, device=device) > 0  # every token of these is a spike candidate
-        x = (engine - trainer) - centre[bucket]  # rows the thresholds in use flag feed no reading
+        x = d - centre[bucket]  # rows the thresholds in use flag feed no reading
         fired = (both & likely[bucket] & (x.abs() >= spike[bucket])).any(dim=-1, keepdim=True)
         kept = counts(torch.where(fired, -1.0, key))
         kept_count = kept.sum(dim=1)
