@@ -62,9 +62,11 @@ def guard_rows(
     drift_threshold = tl.load(parameters_ptr + 31)
     spike_min_trainer_logprob = tl.load(parameters_ptr + 32)
     unlikely_step_clip = tl.load(parameters_ptr + 33)
-    delta_edges_ptr = parameters_ptr + 34
-    excess_edges_ptr = parameters_ptr + 34 + NUM_DELTA
-    rows_ptr = parameters_ptr + 34 + NUM_DELTA + NUM_EXCESS  # each row's spike thresholds: 4 slopes, floor, mean row
+    joint_limit = tl.load(parameters_ptr + 34)
+    joint_weight = tl.load(parameters_ptr + 35)
+    delta_edges_ptr = parameters_ptr + 36
+    excess_edges_ptr = parameters_ptr + 36 + NUM_DELTA
+    rows_ptr = parameters_ptr + 36 + NUM_DELTA + NUM_EXCESS  # each row's spike thresholds: 4 slopes, floor, mean row
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -225,7 +227,8 @@ def guard_rows(
     reasons += (confident_wrong.to(tl.float32) >= min_confident_wrong).to(tl.int32) * 16
     if SPIKE_RULE:
         reasons += (spike_margin > 0.0).to(tl.int32) * 32
-    reasons += (drift > drift_threshold).to(tl.int32) * 64
+    joint = spike_margin + joint_weight * (drift - drift_threshold)  # NaN never fires (as the reference)
+    reasons += ((drift > drift_threshold) | (joint > joint_limit)).to(tl.int32) * 64
 
     out = out_ptr + samples_at + row * WIDTH
     tl.store(out + 0, tokens.to(tl.float32).to(tl.float64))

@@ -155,6 +155,23 @@ class GuardConfig:
     the clip at 1.5, at 2.5: 28 of 888,995 judgements of resampled healthy rows flagged (61–70 at 3.5 without the
     clip), late-onset rows missed 387 → 280 of 27,000, moderate ones 126 → 102; at 2.0, 35, 248 and 94. Default 2.5."""
 
+    joint_margin: float | None = 0.4
+    """nats. The ``drift`` rule also fires on a sample whose two kinds of evidence both fall just short: when
+    ``spike_margin + joint_drift_weight · (drift CUSUM − drift threshold) > −joint_margin`` (each term ≤ 0 when
+    neither rule fires on its own; the thresholds are those in use, calibrated or not). Late-onset corruption whose
+    worst token sits a little under its spike threshold and whose CUSUM sits a little under its own is such a
+    sample; a healthy one is rarely near both. A NaN spike margin (no token that can fire) never fires it; ``None``
+    turns it off. Chosen by re-judging the stored statistics of the fidelity benchmark (seed 0, 1,000 faults per
+    condition): 0.4 with the weight 0.25 caught 34 of the 102 missed late-onset rows for 12 more flagged
+    judgements of healthy rows in 1,011,363 (0.5: 49 for 50; weight 0.5: 19 for 8). Measured with it in the guard
+    (`benchmarks/results-2026-12-01-eleventh/`): late onset missed 102 → 68 of 27,000, moderate 11 → 5, real
+    late onset 2 → 0 of 3,052, false quarantines 7 → 7 of 122,368, resampled judgements flagged 20 → 22 of
+    888,995; held out (seed 1) late onset 116 → 80, moderate 16 → 9, false 6 → 6, resampled 33 → 37. Default 0.4."""
+
+    joint_drift_weight: float = 0.25
+    """nats of spike margin per nat of drift CUSUM in ``joint_margin``'s sum (a CUSUM nat is weaker evidence:
+    it builds up over many tokens). Default 0.25 (see ``joint_margin``)."""
+
     drift_allowance: float = 0.5
     """nats per token. What ``x`` may average per token on a run before the drift CUSUM grows, once the run's own
     offset per engine bucket is known (its first 2,000 kept tokens); a bucket whose healthy spread is large gets more
@@ -291,6 +308,10 @@ class GuardConfig:
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
                 raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
+        if self.joint_margin is not None and not (_is_number(self.joint_margin) and 0 <= self.joint_margin < math.inf):
+            raise GuardConfigError("joint_margin", self.joint_margin, "use nats ≥ 0, e.g. 0.4, or None to turn it off")
+        if not (_is_number(self.joint_drift_weight) and 0 <= self.joint_drift_weight < math.inf):
+            raise GuardConfigError("joint_drift_weight", self.joint_drift_weight, "use a finite weight ≥ 0, e.g. 0.25")
         for name in ("drift_allowance", "warmup_drift_allowance"):
             value = getattr(self, name)
             if not (_is_number(value) and 0 <= value < math.inf):

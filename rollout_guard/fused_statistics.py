@@ -77,7 +77,8 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
     calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike; 16), the config's token
     thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut and the CUSUM
-    step clip of tokens no side found likely (2), the |Δ| and |x| histogram edges as the reference compares them
+    step clip of tokens no side found likely (2), the drift rule's joint limit (−``joint_margin``, +inf if off) and
+    weight (2), the |Δ| and |x| histogram edges as the reference compares them
     (float32), then how the spike thresholds move with a row's candidates (4 slopes, the floor, the mean row's
     candidates: :func:`rollout_guard.statistics.spike_per_row`). ``thresholds``: tensors or the calibration's
     lists of floats; ``drift_threshold``: the calibrated drift threshold in use (nats; default
@@ -88,8 +89,10 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
                _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
-               _threshold(drift), float(config.spike_min_trainer_logprob), UNLIKELY_STEP_CLIP]
-    assert len(values) == 34
+               _threshold(drift), float(config.spike_min_trainer_logprob), UNLIKELY_STEP_CLIP,
+               -float(config.joint_margin) if config.joint_margin is not None and config.spike_excess is not None
+               else math.inf, float(config.joint_drift_weight)]
+    assert len(values) == 36
     rows = ([0.0] * NUM_ENGINE_BUCKETS + [0.0, 1.0] if scaling is None
             else [float(v) for v in scaling.slope.tolist()] + [float(scaling.floor), float(scaling.candidates)])
     return to_device(torch.tensor(values + _EDGE_VALUES + rows, dtype=torch.float32), device)

@@ -43,8 +43,11 @@ def rule_firings(samples: torch.Tensor, config: GuardConfig,
     if config.spike_excess is not None:
         firings["directional_spike"] = column["spike_margin"] > 0
     if config.drift_threshold is not None:
-        firings["drift"] = column["drift_cusum"] > (drift_threshold if drift_threshold is not None
-                                                    else config.drift_threshold)
+        threshold = drift_threshold if drift_threshold is not None else config.drift_threshold
+        firings["drift"] = column["drift_cusum"] > threshold
+        if config.joint_margin is not None and config.spike_excess is not None:  # both near: NaN margins never fire
+            joint = column["spike_margin"] + config.joint_drift_weight * (column["drift_cusum"] - threshold)
+            firings["drift"] |= joint > -config.joint_margin
     return firings
 
 

@@ -222,7 +222,27 @@ def case_row_scaling(fused):
     assert_same_packet(reference, fused(evidence, config, table, block=BLOCK), 4)
 
 
+def case_joint_drift(fused):
+    """The drift rule's joint part reaches the kernel's verdict: a 3.9-nat token under a 4-nat threshold followed
+    by two 1.3-nat ones (CUSUM 3.4 + 1.6 = 5.0, under 6) fires it (−0.1 + 0.25 · (5.0 − 6) > −0.4); the token
+    alone (CUSUM 3.4) does not, nor does anything with ``joint_margin=None``."""
+    config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
+    engine = torch.full((3, 80), -0.1)
+    trainer = engine - 0.05  # x = 0 around the bucket's centre of 0.05
+    trainer[0, 40], trainer[0, 41:43] = -0.1 - 0.05 - 3.9, -0.1 - 0.05 - 1.3
+    trainer[1, 40] = -0.1 - 0.05 - 3.9
+    evidence = RolloutEvidence(mask=torch.ones(3, 80, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
+    layout, off = PacketLayout(3), GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None,
+                                               joint_margin=None)
+    reference = reference_packet(evidence, config, CALIBRATED)
+    assert reference[layout.reasons].tolist() == [64.0, 0.0, 0.0], reference[layout.reasons]  # the drift bit
+    assert reference_packet(evidence, off, CALIBRATED)[layout.reasons].tolist() == [0.0, 0.0, 0.0]
+    assert_same_packet(reference, fused(evidence, config, CALIBRATED, block=BLOCK), 3)
+    assert_same_packet(reference_packet(evidence, off, CALIBRATED), fused(evidence, off, CALIBRATED, block=BLOCK), 3)
+
+
 CASES = {
+    "the drift rule's joint part": case_joint_drift,
     "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
     "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),
     "mixed batch, calibrated drift threshold": case_calibrated_drift_threshold,

@@ -9,7 +9,8 @@ from rollout_guard.verdict import RULE_BIT, RULES, judge, rule_counts, rule_name
 
 def rows(*overrides: dict) -> torch.Tensor:
     base = {name: 0.0 for name in SAMPLE_COLUMNS}
-    base.update(tokens=10, compared_tokens=10, max_abs_delta=1e-3, mean_abs_delta=1e-4, first_divergent_token=-1)
+    base.update(tokens=10, compared_tokens=10, max_abs_delta=1e-3, mean_abs_delta=1e-4, first_divergent_token=-1,
+                spike_margin=-5.0)  # its rarest token 5 nats under that token's spike threshold
     table = torch.zeros(len(overrides), len(SAMPLE_COLUMNS))
     for i, override in enumerate(overrides):
         for name, value in {**base, **override}.items():
@@ -43,6 +44,24 @@ def test_thresholds_are_strict_or_inclusive_as_documented():
     samples = rows({"max_abs_delta": 8.0}, {"mean_abs_delta": 1.0}, {"confident_wrong_tokens": 1}, {"spike_margin": 0.0},
                    {"drift_cusum": 6.0})
     assert judge(samples, CONFIG).suspect.tolist() == [False] * 5
+
+
+def test_drift_fires_on_two_near_misses_together_and_not_just_below():
+    """The drift rule's joint part: spike margin + 0.25 · (CUSUM − threshold) > −0.4. A worst token 0.2 nats under
+    its threshold with a CUSUM 0.8 under the drift threshold sums to exactly −0.4 (does not fire); 0.79 under fires.
+    Either one alone as near, the other far, does not; a NaN margin (no token that can fire) never does."""
+    assert (CONFIG.joint_margin, CONFIG.joint_drift_weight) == (0.4, 0.25)
+    samples = rows({"spike_margin": -0.2, "drift_cusum": 5.2}, {"spike_margin": -0.2, "drift_cusum": 5.21},
+                   {"spike_margin": -0.01, "drift_cusum": 0.0}, {"spike_margin": -3.0, "drift_cusum": 5.99},
+                   {"spike_margin": math.nan, "drift_cusum": 5.99})
+    verdict = judge(samples, CONFIG)
+    assert verdict.suspect.tolist() == [False, True, False, False, False]
+    assert rule_names(int(verdict.reasons[1])) == ["drift"]
+    # with the calibrated drift threshold in use (one per sample) instead of the fixed one
+    in_use = torch.tensor([5.3, 5.3, 5.3, 6.0, 6.0])
+    assert judge(samples, CONFIG, in_use).suspect.tolist() == [True, True, False, False, False]
+    assert not judge(samples, GuardConfig(spike_delta=8.0, mean_delta=1.0, joint_margin=None)).suspect.any()
+    assert not judge(samples, GuardConfig(spike_delta=8.0, mean_delta=1.0, spike_excess=None)).suspect.any()
 
 
 def test_defaults_are_ceilings_above_healthy_heavy_tails():
