@@ -160,8 +160,13 @@ class GuardConfig:
     ``spike_margin + joint_drift_weight · (drift CUSUM − drift threshold) > −joint_margin`` (each term ≤ 0 when
     neither rule fires on its own; the thresholds are those in use, calibrated or not). Late-onset corruption whose
     worst token sits a little under its spike threshold and whose CUSUM sits a little under its own is such a
-    sample; a healthy one is rarely near both. A NaN spike margin (no token that can fire) never fires it; ``None``
-    turns it off. Chosen by re-judging the stored statistics of the fidelity benchmark (seed 0, 1,000 faults per
+    sample; a healthy one is rarely near both. One likely token alone can fire it too, its own CUSUM step being
+    most of the CUSUM: at a calibrated drift threshold of 2.5 nats and an allowance of 0.5, a token ε nats under a
+    spike threshold t fires it if ε < 0.2·t − 0.28, so in effect a calibrated spike threshold moves down by up to
+    0.12 nats at t = 2 and 0.32 at t = 3 (above 3 nats such a token's step less the allowance already passes 2.5
+    and the CUSUM alone fires; before the drift threshold is calibrated, at 6 nats, neither happens); the
+    measurement below includes that. A NaN spike margin (no token that can fire) never fires it;
+    ``None`` turns it off. Chosen by re-judging the stored statistics of the fidelity benchmark (seed 0, 1,000 faults per
     condition): 0.4 with the weight 0.25 caught 34 of the 102 missed late-onset rows for 12 more flagged
     judgements of healthy rows in 1,011,363 (0.5: 49 for 50; weight 0.5: 19 for 8). Measured with it in the guard
     (`benchmarks/results-2026-12-01-eleventh/`): late onset missed 102 → 68 of 27,000, moderate 11 → 5, real
