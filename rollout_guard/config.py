@@ -165,13 +165,14 @@ class GuardConfig:
     spike threshold t fires it if ε < 0.2·t − 0.28, so in effect a calibrated spike threshold moves down by up to
     0.12 nats at t = 2 and 0.32 at t = 3 (above 3 nats such a token's step less the allowance already passes 2.5
     and the CUSUM alone fires; before the drift threshold is calibrated, at 6 nats, neither happens); the
-    measurement below includes that. A NaN spike margin (no token that can fire) never fires it;
-    ``None`` turns it off. Chosen by re-judging the stored statistics of the fidelity benchmark (seed 0, 1,000 faults per
+    measurement below includes that. A NaN spike margin (no token that can fire) never fires it; ``None`` turns
+    it off. Chosen by re-judging the stored statistics of the fidelity benchmark (seed 0, 1,000 faults per
     condition): 0.4 with the weight 0.25 caught 34 of the 102 missed late-onset rows for 12 more flagged
-    judgements of healthy rows in 1,011,363 (0.5: 49 for 50; weight 0.5: 19 for 8). Measured with it in the guard
-    (`benchmarks/results-2026-12-01-eleventh/`): late onset missed 102 → 68 of 27,000, moderate 11 → 5, real
-    late onset 2 → 0 of 3,052, false quarantines 7 → 7 of 122,368, resampled judgements flagged 20 → 22 of
-    888,995; held out (seed 1) late onset 116 → 80, moderate 16 → 9, false 6 → 6, resampled 33 → 37. Default 0.4."""
+    judgements of healthy rows in 1,011,363 (0.5: 49 for 50; weight 0.5: 19 for 8). Measured with it in the
+    guard (`benchmarks/results-2026-12-01-eleventh/`): late onset missed 102 → 68 of 27,000, moderate 11 → 5,
+    real late onset 2 → 0 of 3,052, false quarantines 7 → 7 of 122,368, resampled judgements flagged 20 → 22
+    of 888,995; held out (seed 1) late onset 116 → 80, moderate 16 → 9, false 6 → 6, resampled 33 → 37.
+    Default 0.4."""
 
     joint_drift_weight: float = 0.25
     """nats of spike margin per nat of drift CUSUM in ``joint_margin``'s sum (a CUSUM nat is weaker evidence:
