@@ -315,9 +315,11 @@ class GuardConfig:
             if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
                 raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
         if self.joint_margin is not None and not (_is_number(self.joint_margin) and 0 <= self.joint_margin < math.inf):
-            raise GuardConfigError("joint_margin", self.joint_margin, "use nats ≥ 0, e.g. 0.4, or None to turn it off")
+            raise GuardConfigError("joint_margin", self.joint_margin,
+                                   "use nats ≥ 0, e.g. 0.4, or None to turn it off")
         if not (_is_number(self.joint_drift_weight) and 0 <= self.joint_drift_weight < math.inf):
-            raise GuardConfigError("joint_drift_weight", self.joint_drift_weight, "use a finite weight ≥ 0, e.g. 0.25")
+            raise GuardConfigError("joint_drift_weight", self.joint_drift_weight,
+                                   "use a finite weight ≥ 0, e.g. 0.25")
         for name in ("drift_allowance", "warmup_drift_allowance"):
             value = getattr(self, name)
             if not (_is_number(value) and 0 <= value < math.inf):

@@ -45,6 +45,12 @@ from rollout_guard.errors import GuardConfigError
         ("evidence_samples_per_step", 2.0),
         ("evidence_samples_per_step", True),
         ("evidence_samples_per_step", None),
+        # the drift rule's joint part
+        ("joint_margin", -0.1),
+        ("joint_margin", float("inf")),
+        ("joint_margin", True),
+        ("joint_drift_weight", float("nan")),
+        ("joint_drift_weight", None),
     ],
 )
 def test_invalid_values_name_the_field_and_the_fix(field, value):
@@ -77,6 +83,8 @@ def test_borderline_values_are_accepted():
     GuardConfig(output_dir=Path("somewhere"), spike_delta=1, max_quarantine_share=1, alert_jump=1)
     GuardConfig(compute_trainer_logprobs=False, divergence_delta=1e-9)
     GuardConfig(evidence_samples_per_step=0)  # statistics only
+    GuardConfig(joint_margin=0.0, joint_drift_weight=0.0)  # the joint part at its tightest
+    GuardConfig(joint_margin=None)  # off
 
 
 def test_equal_confident_and_doubtful_thresholds_are_rejected():
