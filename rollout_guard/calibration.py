@@ -197,12 +197,50 @@ UNLIKELY_TAIL_TOKENS = 5.0
 enough that one corrupted token the rules missed does not set it, few enough that the reading sits in the tail."""
 
 UNLIKELY_MIN_TOKENS = 100_000.0
-"""(decayed) kept tokens no side found likely that a bucket needs before they are judged. The reading must have
+"""(decayed) kept tokens no side found likely that a bucket needs before they are judged, at most (fewer where
+each sample has few of them: :func:`unlikely_min_tokens`). The reading must have
 had the chance to see the healthy tail: below it, a tail of one token in 10,000 (the hybrid noise model's) shows
 too few tokens, the reading looks quiet, and the tail's tokens are flagged as they come (in a unit test with
 2,000 such tokens at warm-up: 25 of 1,920 healthy rows). A tail rarer than ~5 in this many tokens still reads as
 quiet; its tokens above the threshold are then flagged (at most ~5 · u / 100,000 of rows with u such tokens per
 row). About 7 steps of the fidelity benchmark's 256 rollouts; the 0.95 decay holds up to 20 steps' worth."""
+
+UNLIKELY_FEWEST_TOKENS = 10_000.0
+"""The fewest kept tokens no side found likely that a bucket needs before they are judged, however few each
+sample has (:func:`unlikely_min_tokens`): the reading is then the 99.95 % point of their |x|."""
+
+UNLIKELY_ROW_SHARE = 0.001
+"""The share of healthy rows that a tail just too rare to show in the reading may flag, at most (see
+:func:`unlikely_min_tokens`): the goal's 0.1 %, which :data:`UNLIKELY_MIN_TOKENS` already allowed a run with 20
+such tokens per sample. The fidelity benchmark's runs have 8–77 per sample (T0.7/top_p0.9: 8–19; T1/top_p1:
+51–77): with a fixed 100,000 the sparse ones were judged only after ~50 steps. Measured (1,000 faults per
+condition, seed 0): isolated spikes missed 346 → 339 of 27,000 (the quiet T0.7/top_p0.9 runs 4 → 0 and 3 → 1),
+false quarantines 7 → 7 of 122,368, flagged judgements of resampled healthy rows 22 → 22 of 888,995 (once a quiet
+reading from fewer than 100,000 such tokens is no longer carried through a restart: carried, a pooled dense-tail
+stream's T0.7/top_p0.9 reading flagged 11 judgements in the next setting); at 0.0005 (N = 10,000 · u) 346 → 345."""
+
+
+def unlikely_min_tokens(per_row: float) -> float:
+    """The kept tokens no side found likely that a bucket needs before they are judged, for ``per_row`` of them
+    per kept sample (nats-free; a count):
+
+    .. math:: N = \\min\\big(N_{max},\\ \\max(N_{min},\\ k\\, u / \\beta)\\big)
+
+    with ``u`` = ``per_row``, ``k`` = :data:`UNLIKELY_TAIL_TOKENS`, ``β`` = :data:`UNLIKELY_ROW_SHARE`,
+    ``N_min`` = :data:`UNLIKELY_FEWEST_TOKENS` and ``N_max`` = :data:`UNLIKELY_MIN_TOKENS`. A healthy tail rarer
+    than ``k`` in ``N`` tokens reads as quiet, and its tokens above the threshold are then flagged: at most
+    ``k·u/N`` of the rows. A run with few such tokens per row (top-p sampling keeps few) reaches that bound with
+    fewer tokens, so it is judged sooner; ``u`` unknown (no kept sample yet): ``N_max``.
+
+    >>> unlikely_min_tokens(8.0)  # a T = 0.7, top_p = 0.9 run: ~8 such tokens per row
+    40000.0
+    >>> unlikely_min_tokens(60.0), unlikely_min_tokens(0.0), unlikely_min_tokens(float("nan"))
+    (100000.0, 10000.0, 100000.0)
+    """
+    if not per_row == per_row:  # NaN: not known yet
+        return UNLIKELY_MIN_TOKENS
+    return min(UNLIKELY_MIN_TOKENS, max(UNLIKELY_FEWEST_TOKENS, UNLIKELY_TAIL_TOKENS * per_row / UNLIKELY_ROW_SHARE))
+
 
 UNLIKELY_DECAY = 0.99
 """per step. The histogram of the tokens no side found likely, and their count, decay by this instead of
@@ -225,7 +263,8 @@ UNLIKELY_MARGIN = 1.5
 calibration window, and a token 1.5 times as far out has not been seen in it."""
 
 
-def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: float, floor: float) -> float:
+def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: float, floor: float,
+                             min_tokens: float = UNLIKELY_MIN_TOKENS) -> float:
     """The spike threshold for tokens neither side found likely (nats; +inf: not judged):
 
     .. math:: t = \\begin{cases} \\max(\\textit{floor},\\ m\\, q) & q \\le \\textit{cap} \\\\ +\\infty & \\text{else}
@@ -241,9 +280,11 @@ def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: flo
 
     Args:
         histogram: (NUM_EXCESS_BINS,) counts.
-        tokens: the bucket's tokens no side found likely (at least :data:`UNLIKELY_MIN_TOKENS`, else +inf).
+        tokens: the bucket's tokens no side found likely (at least ``min_tokens``, else +inf).
         cap: the largest reading that still counts as a quiet tail (nats; ``GuardConfig.spike_excess``).
         floor: the lowest threshold (nats; ``GuardConfig.calibrated_spike_floor``).
+        min_tokens: the fewest such tokens it is read from (:func:`unlikely_min_tokens`; default
+            :data:`UNLIKELY_MIN_TOKENS`).
 
     >>> h = [0.0] * NUM_EXCESS_BINS; h[8] = 200000.0; h[10] = 4.0  # tokens at 1 nat and 4 at ~1.4 nats: quiet
     >>> unlikely_spike_threshold(h, 200004.0, cap=4.0, floor=2.0)
@@ -253,8 +294,11 @@ def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: flo
     inf
     >>> unlikely_spike_threshold(h[:10] + [0.0] * (NUM_EXCESS_BINS - 10), 50000.0, cap=4.0, floor=2.0)  # too few
     inf
+    >>> unlikely_spike_threshold(h[:10] + [0.0] * (NUM_EXCESS_BINS - 10), 50000.0, cap=4.0, floor=2.0,
+    ...                          min_tokens=unlikely_min_tokens(8.0))  # enough for 8 such tokens per sample
+    2.0
     """
-    if tokens < UNLIKELY_MIN_TOKENS:
+    if tokens < min_tokens:
         return math.inf
     quiet = spike_quantile(histogram, tokens, UNLIKELY_TAIL_TOKENS / tokens)
     return max(floor, UNLIKELY_MARGIN * quiet) if quiet <= cap else math.inf
@@ -393,25 +437,38 @@ class Calibration:
         for ten steps. Likewise the threshold of tokens no side found likely: until the bucket holds
         :data:`UNLIKELY_MIN_TOKENS` such tokens again, the larger of ``spike_excess`` and the one in use before,
         where that was finite (a quiet tail; a heavy one stays unjudged, and a heavy tail read since replaces an
-        older quiet one). Without it such tokens went unjudged for ~10 steps after each change (measured on the
+        older quiet one). A quiet tail read from fewer than :data:`UNLIKELY_MIN_TOKENS` such tokens (a setting
+        with few of them per sample, :func:`unlikely_min_tokens`) is not carried: its bound on the rows a tail too
+        rare to show may flag holds for its own share per sample, and the next setting may have many more. Without it such tokens went unjudged for ~10 steps after each change (measured on the
         fidelity benchmark, 1,000 faults per condition: isolated spikes missed 391 → 367 of 27,000, 24 of them in
         the top-k = 5 streams; false quarantines unchanged)."""
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
-        # a bucket that read its own tail since the last restart carries that reading (+inf for a heavy tail)
-        carried_unlikely = [t if read else c
-                            for t, read, c in zip(values[3], self._unlikely_read(), self._carried_unlikely,
-                                                  strict=True)]
+        # a bucket that read its own tail since the last restart carries that reading (+inf for a heavy tail); a
+        # quiet one only where read from UNLIKELY_MIN_TOKENS such tokens (the next setting may have more per row)
+        carried_unlikely = [t if read and (math.isinf(t) or bucket[0] >= UNLIKELY_MIN_TOKENS) else c
+                            for t, read, c, bucket in zip(values[3], self._unlikely_read(), self._carried_unlikely,
+                                                          self._unlikely, strict=True)]
         announced = self._announced
         self.__init__(self.config)  # every piece of state, fresh
         self._announced, self._carried, self._carried_unlikely = announced, carried, carried_unlikely
 
     def _unlikely_read(self) -> list[bool]:
         """Per bucket: its threshold for tokens no side found likely is read from its own such tokens (calibrated,
-        and at least :data:`UNLIKELY_MIN_TOKENS` of them since the start or the last restart); else the one carried
-        through the restart applies."""
-        return [w and bucket[0] >= UNLIKELY_MIN_TOKENS
-                for w, bucket in zip(self.calibrated_flags(), self._unlikely, strict=True)]
+        and at least :meth:`_unlikely_min_tokens` of them since the start or the last restart); else the one
+        carried through the restart applies."""
+        needed = self._unlikely_min_tokens()
+        return [w and bucket[0] >= needed for w, bucket in zip(self.calibrated_flags(), self._unlikely, strict=True)]
+
+    def _unlikely_min_tokens(self) -> float:
+        """:func:`unlikely_min_tokens` for the kept samples' tokens no side found likely per sample: per bucket, the
+        share of its calibrated tokens that no side found likely times its tokens per sample since the start (or
+        the last restart)."""
+        if self._fresh_rows <= 0 or not any(bucket[0] > 0 for bucket in self._sums):
+            return unlikely_min_tokens(math.nan)
+        per_row = sum((bucket[0] - bucket[3]) / bucket[0] * fresh / self._fresh_rows
+                      for bucket, fresh in zip(self._sums, self._fresh, strict=True) if bucket[0] > 0)
+        return unlikely_min_tokens(per_row)
 
     def _forget_readings(self) -> None:
         """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
@@ -558,7 +615,8 @@ class Calibration:
                               for bucket, q, w, n in zip(self._sums, quantile, warm, candidates, strict=True)],
                              floor, max(per_sample, 1.0))
         cap = config.spike_excess if config.spike_excess is not None else math.inf
-        unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor) if read else carried
+        needed = self._unlikely_min_tokens()
+        unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor, needed) if read else carried
                     for bucket, read, carried in zip(self._unlikely, self._unlikely_read(), carried_unlikely,
                                                      strict=True)]
         return centre, allowance, spike, unlikely

@@ -116,7 +116,7 @@ class GuardConfig:
     judged at any size (the top-k = 5 streams' flattening puts a few corrupted tokens there; measured on the
     fidelity benchmark, 1,000 faults per condition: single spikes missed 8 → 7 of 27,000, nothing else moved). A
     cut above −3 nats leaves the tokens between −3 and the cut to that bucket's threshold for tokens no side found
-    likely (judged once it holds 100,000 of them)."""
+    likely (judged once it holds enough of them: :func:`rollout_guard.calibration.unlikely_min_tokens`)."""
 
     spike_min_trainer_logprob: float = math.log(0.2)
     """nats. A token the trainer gave at least this logprob is a ``directional_spike`` candidate too (an engine
@@ -126,7 +126,8 @@ class GuardConfig:
     went over the threshold); at ln 0.2 that noise reaches it a few times per 10,000 samples, which the calibrated
     threshold of the bucket below −3 nats covers. Tokens under both cuts are judged against their own threshold
     (:func:`rollout_guard.calibration.unlikely_spike_threshold`: 1.5 × the |x| only 5 kept such tokens exceed, when
-    that is within ``spike_excess``, else not judged; only once the bucket holds 100,000 of them): measured on the
+    that is within ``spike_excess``, else not judged; only once the bucket holds 10,000–100,000 of them,
+    :func:`rollout_guard.calibration.unlikely_min_tokens`; 100,000 when this was measured): measured on the
     fidelity benchmark (1,000 faults per condition), isolated spikes 95.3 → 97.7 % pooled (100 % in five of the 18
     real-noise conditions, 95.8–99.6 % in the others, whose 512–1,664 clean rollouts leave most steps before the
     bucket holds 100,000 such tokens; top-k=5 87.8–90.9 → 98.2–99.8 %), none gained under the heavy-tail noise

@@ -345,11 +345,13 @@ def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_
     assert gaussian_bound(1.5, 1e-5) > config.spike_excess and spike[3] == config.spike_excess  # noisy, few: capped
 
 
-def unlikely_tokens_stream(generator: torch.Generator, batch: int, length: int, tail_rate: float) -> RolloutEvidence:
-    """Healthy rows: half the tokens likely for both sides (engine −0.2), half unlikely for both (engine −8,
-    trainer −8 ± 0.1); with ``tail_rate``, an unlikely token gets a healthy ±LogUniform(1, 18)-nat tail (the
-    published hybrid 7B run's, on tokens both sides find unlikely), the trainer kept below −3."""
-    likely = torch.arange(length) % 2 == 0
+def unlikely_tokens_stream(generator: torch.Generator, batch: int, length: int, tail_rate: float,
+                           every: int = 2) -> RolloutEvidence:
+    """Healthy rows: one token in ``every`` unlikely for both sides (engine −8, trainer −8 ± 0.1; token 1 is
+    one), the others likely for both (engine −0.2); with ``tail_rate``, an unlikely token gets a healthy
+    ±LogUniform(1, 18)-nat tail (the published hybrid 7B run's, on tokens both sides find unlikely), the trainer
+    kept below −3."""
+    likely = torch.arange(length) % every != 1
     engine = torch.where(likely, -0.2, -8.0).expand(batch, length).clone()
     trainer = engine - torch.where(likely, 0.05, 0.1) * torch.randn(batch, length, generator=generator)
     hit = ~likely & (torch.rand(batch, length, generator=generator) < tail_rate)
@@ -396,6 +398,34 @@ def test_tokens_no_side_found_likely_are_judged_only_where_their_healthy_tail_is
     else:
         assert threshold == math.inf
         assert not report.suspect[5]
+
+
+@pytest.mark.parametrize(("tail_rate", "judged"), [(0.0, True), (0.004, False)])
+def test_a_run_with_few_unlikely_tokens_per_row_is_judged_once_their_bound_allows(monkeypatch, tail_rate, judged):
+    """Two such tokens per 64-token row (top-p sampling keeps few): 512 a step, whose decayed count (0.99) tops
+    out near 51,000, never the 100,000 a run with many per row needs, so a garbage low engine logprob there was
+    never judged (the fidelity benchmark's T0.7/top_p0.9 runs: ~8–12 such tokens per row, read only after ~50
+    steps). A tail too rare to show in N tokens flags at most 5·u/N of the rows, so u = 2 needs 10,000 (read from
+    step ~22). A quiet tail: the garbage token is flagged after 30 steps, and no healthy row before; a heavy one
+    (4 in 1,000 such tokens) shows in those 10,000 and keeps them unjudged. With the old fixed count: not
+    judged."""
+    from rollout_guard import calibration as calibration_module
+
+    def run() -> tuple[int, bool]:
+        config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
+        generator = torch.Generator().manual_seed(11)
+        guard = RolloutGuard(config)
+        flagged = sum(int(guard.inspect(unlikely_tokens_stream(generator, 256, 64, tail_rate, every=32),
+                                        step=step).suspect.sum()) for step in range(1, 31))
+        garbage = with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, 256, 64, tail_rate, every=32), 5,
+                                                  5.0)
+        return flagged, bool(guard.inspect(garbage, step=31).suspect[5])
+
+    flagged, caught = run()
+    assert flagged == 0
+    assert caught is judged
+    monkeypatch.setattr(calibration_module, "UNLIKELY_ROW_SHARE", 1e-9)  # every run needs UNLIKELY_MIN_TOKENS
+    assert run() == (0, False)
 
 
 def test_an_unlikely_token_at_the_threshold_does_not_fire_and_just_above_it_does():
@@ -818,22 +848,42 @@ def test_rows_the_thresholds_in_use_flag_do_not_feed_the_batchs_spike_reading():
     assert suspect.tolist() == injected.tolist()
 
 
-def quiet_unlikely_calibration(config: GuardConfig, tail_at: float) -> Calibration:
-    """A calibration whose buckets hold 200,000 kept tokens no side found likely, their |x| near 1 nat and 4 of
-    them (per bucket) at ``tail_at`` nats, and 30,000 candidates near 0.5 nats."""
+def quiet_unlikely_calibration(config: GuardConfig, tail_at: float, scale: float = 1.0,
+                               rows: float = 1000.0) -> Calibration:
+    """A calibration whose buckets hold 200,000 kept tokens no side found likely (times ``scale``, per update of
+    ``rows`` kept samples), their |x| near 1 nat and 4 of them (per bucket) at ``tail_at`` nats, and 30,000
+    candidates near 0.5 nats."""
     calibration = Calibration(config)
     calibration.announced = True
     edges = calibration_module.EXCESS_EDGES
     contribution = torch.zeros(NUM_ENGINE_BUCKETS, calibration_module.CALIBRATION_WIDTH, dtype=torch.float64)
-    contribution[:, 0] = 230000.0
+    contribution[:, 0] = 30000.0 + 200000.0 * scale
     contribution[:, 3] = 30000.0
     contribution[:, 4 + edges.index(0.5)] = 30000.0
     unlikely = calibration_module.UNLIKELY_HISTOGRAM
-    contribution[:, unlikely + edges.index(1.0)] = 199994.0
-    contribution[:, unlikely + max(i for i, e in enumerate(edges) if e <= tail_at)] = 6.0
+    contribution[:, unlikely + edges.index(1.0)] = 199994.0 * scale
+    contribution[:, unlikely + max(i for i, e in enumerate(edges) if e <= tail_at)] = 6.0 * scale
     for _ in range(3):
-        calibration.update(contribution, kept_rows=1000.0)
+        calibration.update(contribution, kept_rows=rows)
     return calibration
+
+
+def test_a_quiet_unlikely_tail_read_from_fewer_tokens_is_not_carried_through_a_restart():
+    """A run with few tokens no side found likely per sample reads their tail from fewer of them
+    (:func:`rollout_guard.calibration.unlikely_min_tokens`: ~60,000 here at ~1.5 per sample), which bounds the
+    healthy rows a tail too rare to show may flag only for that run's share per sample; the next setting may have
+    ten times as many per sample (measured on the fidelity benchmark's pooled dense-7B-tail stream: a quiet reading
+    of 4.7 nats from a T0.7/top_p0.9 setting carried into a T1 one flagged 11 judgements of resampled healthy
+    rows). Such a reading holds in its own setting and is not carried; one from UNLIKELY_MIN_TOKENS is."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    sparse = quiet_unlikely_calibration(config, 1.2, scale=0.1, rows=20000.0)
+    assert 10_000 <= sparse._unlikely_min_tokens() < sparse._unlikely[0][0] < calibration_module.UNLIKELY_MIN_TOKENS
+    assert all(math.isfinite(t) for t in sparse.threshold_values()[3])  # judged in its own setting
+    sparse.restart()
+    assert all(math.isinf(t) for t in sparse.threshold_values()[3])  # not carried
+    full = quiet_unlikely_calibration(config, 1.2)
+    full.restart()
+    assert full.threshold_values()[3] == [config.spike_excess] * NUM_ENGINE_BUCKETS
 
 
 @pytest.mark.parametrize(("tail_at", "carried"), [(1.2, True), (8.0, False)])
