@@ -27,8 +27,9 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   :func:`unlikely_spike_threshold`, ``UNLIKELY_MARGIN`` times the |x| that only ``UNLIKELY_TAIL_TOKENS`` of the
   bucket's kept such tokens exceed, when that |x| is within ``GuardConfig.spike_excess`` (a quiet tail), else
   +inf (not judged: a run with a healthy heavy tail there cannot tell such a spike from its noise); these tokens
-  are remembered longer (:data:`UNLIKELY_DECAY`). After a restart the threshold in use before it carries through
-  (at least ``spike_excess``) until the bucket holds enough such tokens again.
+  are remembered longer (:data:`UNLIKELY_DECAY`) and judged once enough are kept (:func:`unlikely_min_tokens`).
+  After a restart the threshold in use before it carries through (at least ``spike_excess``; a quiet one only if
+  read from :data:`UNLIKELY_MIN_TOKENS` such tokens) until the bucket holds enough such tokens again.
 
 And, when the guard is told the sampling settings (:attr:`Calibration.announced`), for the whole sample the drift
 threshold: :func:`drift_threshold`, the extrapolated ``1 − false_alarm_budget / 1000`` quantile of the kept
@@ -434,14 +435,16 @@ class Calibration:
         nine times: 13 → 10 false quarantines of 8,064), and one whose noise needed less is judged as at the
         start. Keeping the histograms instead (read against the new centres) left thresholds read from the old
         setting's noise: after a change to top-k = 20 in a top-k = 5 stream, 5–15 % of healthy rows were flagged
-        for ten steps. Likewise the threshold of tokens no side found likely: until the bucket holds
-        :data:`UNLIKELY_MIN_TOKENS` such tokens again, the larger of ``spike_excess`` and the one in use before,
-        where that was finite (a quiet tail; a heavy one stays unjudged, and a heavy tail read since replaces an
-        older quiet one). A quiet tail read from fewer than :data:`UNLIKELY_MIN_TOKENS` such tokens (a setting
-        with few of them per sample, :func:`unlikely_min_tokens`) is not carried: its bound on the rows a tail too
-        rare to show may flag holds for its own share per sample, and the next setting may have many more. Without it such tokens went unjudged for ~10 steps after each change (measured on the
-        fidelity benchmark, 1,000 faults per condition: isolated spikes missed 391 → 367 of 27,000, 24 of them in
-        the top-k = 5 streams; false quarantines unchanged)."""
+        for ten steps. Likewise the threshold of tokens no side found likely: until the bucket has read its own
+        again (:meth:`_unlikely_read`), the larger of ``spike_excess`` and the one in use before, where that was
+        finite (a quiet tail; a heavy one stays unjudged, and a heavy tail read since replaces an older quiet one).
+        Without that carry such tokens went unjudged for ~10 steps after each change (measured on the fidelity
+        benchmark, 1,000 faults per condition: isolated spikes missed 391 → 367 of 27,000, 24 of them in the top-k
+        = 5 streams; false quarantines unchanged). A quiet tail read from fewer than :data:`UNLIKELY_MIN_TOKENS`
+        such tokens (a setting with few of them per sample, :func:`unlikely_min_tokens`) is not carried: its bound
+        on the rows a tail too rare to show may flag holds for its own share per sample, and the next setting may
+        have many more (measured: carried, 11 more flagged judgements of resampled healthy rows, see
+        :data:`UNLIKELY_ROW_SHARE`)."""
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
         # a bucket that read its own tail since the last restart carries that reading (+inf for a heavy tail); a
