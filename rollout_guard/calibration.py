@@ -214,7 +214,7 @@ UNLIKELY_ROW_SHARE = 0.001
 """The share of healthy rows that a tail just too rare to show in the reading may flag, at most (see
 :func:`unlikely_min_tokens`): the goal's 0.1 %, which :data:`UNLIKELY_MIN_TOKENS` already allowed a run with 20
 such tokens per sample. The fidelity benchmark's runs have 8–77 per sample (T0.7/top_p0.9: 8–19; T1/top_p1:
-51–77): with a fixed 100,000 the sparse ones were judged only after ~50 steps. Measured (1,000 faults per
+51–77): with a fixed 100,000 the sparse ones were judged only after 24–64 steps of 256 rows. Measured (1,000 faults per
 condition, seed 0): isolated spikes missed 346 → 339 of 27,000 (the quiet T0.7/top_p0.9 runs 4 → 0 and 3 → 1),
 false quarantines 7 → 7 of 122,368, flagged judgements of resampled healthy rows 22 → 22 of 888,995 (once a quiet
 reading from fewer than 100,000 such tokens is no longer carried through a restart: carried, a pooled dense-tail
