@@ -404,7 +404,7 @@ def test_tokens_no_side_found_likely_are_judged_only_where_their_healthy_tail_is
 def test_a_run_with_few_unlikely_tokens_per_row_is_judged_once_their_bound_allows(monkeypatch, tail_rate, judged):
     """Two such tokens per 64-token row (top-p sampling keeps few): 512 a step, whose decayed count (0.99) tops
     out near 51,000, never the 100,000 a run with many per row needs, so a garbage low engine logprob there was
-    never judged (the fidelity benchmark's T0.7/top_p0.9 runs: ~8–12 such tokens per row, read only after ~50
+    never judged (the fidelity benchmark's T0.7/top_p0.9 runs: 8–19 such tokens per row, read only after 24–64
     steps). A tail too rare to show in N tokens flags at most 5·u/N of the rows, so u = 2 needs 10,000 (read from
     step ~22). A quiet tail: the garbage token is flagged after 30 steps, and no healthy row before; a heavy one
     (4 in 1,000 such tokens) shows in those 10,000 and keeps them unjudged. With the old fixed count: not
@@ -870,11 +870,12 @@ def quiet_unlikely_calibration(config: GuardConfig, tail_at: float, scale: float
 
 def test_a_quiet_unlikely_tail_read_from_fewer_tokens_is_not_carried_through_a_restart():
     """A run with few tokens no side found likely per sample reads their tail from fewer of them
-    (:func:`rollout_guard.calibration.unlikely_min_tokens`: ~60,000 here at ~1.5 per sample), which bounds the
-    healthy rows a tail too rare to show may flag only for that run's share per sample; the next setting may have
-    ten times as many per sample (measured on the fidelity benchmark's pooled dense-7B-tail stream: a quiet reading
-    of 4.7 nats from a T0.7/top_p0.9 setting carried into a T1 one flagged 11 judgements of resampled healthy
-    rows). Such a reading holds in its own setting and is not carried; one from UNLIKELY_MIN_TOKENS is."""
+    (:func:`rollout_guard.calibration.unlikely_min_tokens`: 20,000 at the 4 per sample here, which hold ~40,000),
+    which bounds the healthy rows a tail too rare to show may flag only for that run's share per sample; the next
+    setting may have many more per sample (measured on the fidelity benchmark's pooled dense-7B-tail stream: a
+    quiet reading of 4.7 nats from a T0.7/top_p0.9 setting carried into the next one flagged 11 judgements of
+    resampled healthy rows). Such a reading holds in its own setting and is not carried; one from
+    UNLIKELY_MIN_TOKENS is."""
     config = GuardConfig(**ONLY_DETECTOR)
     sparse = quiet_unlikely_calibration(config, 1.2, scale=0.1, rows=20000.0)
     assert 10_000 <= sparse._unlikely_min_tokens() < sparse._unlikely[0][0] < calibration_module.UNLIKELY_MIN_TOKENS
