@@ -212,13 +212,13 @@ sample has (:func:`unlikely_min_tokens`): the reading is then the 99.95 % point 
 
 UNLIKELY_ROW_SHARE = 0.001
 """The share of healthy rows that a tail just too rare to show in the reading may flag, at most (see
-:func:`unlikely_min_tokens`): the goal's 0.1 %, which :data:`UNLIKELY_MIN_TOKENS` already allowed a run with 20
-such tokens per sample. The fidelity benchmark's runs have 8–77 per sample (T0.7/top_p0.9: 8–19; T1/top_p1:
-51–77): with a fixed 100,000 the sparse ones were judged only after 24–64 steps of 256 rows. Measured (1,000 faults per
-condition, seed 0): isolated spikes missed 346 → 339 of 27,000 (the quiet T0.7/top_p0.9 runs 4 → 0 and 3 → 1),
-false quarantines 7 → 7 of 122,368, flagged judgements of resampled healthy rows 22 → 22 of 888,995 (once a quiet
-reading from fewer than 100,000 such tokens is no longer carried through a restart: carried, a pooled dense-tail
-stream's T0.7/top_p0.9 reading flagged 11 judgements in the next setting); at 0.0005 (N = 10,000 · u) 346 → 345."""
+:func:`unlikely_min_tokens`): the goal's 0.1 %, which :data:`UNLIKELY_MIN_TOKENS` already allowed a run with 20 such
+tokens per sample. The fidelity benchmark's runs have 8–77 per sample (T0.7/top_p0.9: 8–19; T1/top_p1: 51–77): with
+a fixed 100,000 the sparse ones were judged only after 24–64 steps of 256 rows. Measured (1,000 faults per
+condition, seed 0): isolated spikes missed 346 → 339 of 27,000 (the quiet T0.7/top_p0.9 runs 4 → 0 and 3 → 1), false
+quarantines 7 → 7 of 122,368, flagged judgements of resampled healthy rows 22 → 22 of 888,995 (once a quiet reading
+from fewer than 100,000 such tokens is no longer carried through a restart: carried, a pooled dense-tail stream's
+T0.7/top_p0.9 reading flagged 11 judgements in the next setting); at 0.0005 (N = 10,000 · u) 346 → 345."""
 
 
 def unlikely_min_tokens(per_row: float) -> float:
@@ -449,19 +449,19 @@ class Calibration:
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
         # a bucket that read its own tail since the last restart carries that reading (+inf for a heavy tail); a
         # quiet one only where read from UNLIKELY_MIN_TOKENS such tokens (the next setting may have more per row)
-        carried_unlikely = [t if read and (math.isinf(t) or bucket[0] >= UNLIKELY_MIN_TOKENS) else c
-                            for t, read, c, bucket in zip(values[3], self._unlikely_read(), self._carried_unlikely,
-                                                          self._unlikely, strict=True)]
+        read = self._unlikely_read(flags, self._unlikely_min_tokens())
+        carried_unlikely = [t if r and (math.isinf(t) or bucket[0] >= UNLIKELY_MIN_TOKENS) else c
+                            for t, r, c, bucket in zip(values[3], read, self._carried_unlikely, self._unlikely,
+                                                       strict=True)]
         announced = self._announced
         self.__init__(self.config)  # every piece of state, fresh
         self._announced, self._carried, self._carried_unlikely = announced, carried, carried_unlikely
 
-    def _unlikely_read(self) -> list[bool]:
+    def _unlikely_read(self, calibrated: list[bool], needed: float) -> list[bool]:
         """Per bucket: its threshold for tokens no side found likely is read from its own such tokens (calibrated,
-        and at least :meth:`_unlikely_min_tokens` of them since the start or the last restart); else the one
-        carried through the restart applies."""
-        needed = self._unlikely_min_tokens()
-        return [w and bucket[0] >= needed for w, bucket in zip(self.calibrated_flags(), self._unlikely, strict=True)]
+        i.e. :meth:`calibrated_flags`, and at least ``needed`` of them, :meth:`_unlikely_min_tokens`, since the start
+        or the last restart); else the one carried through the restart applies. The callers have both at hand."""
+        return [w and bucket[0] >= needed for w, bucket in zip(calibrated, self._unlikely, strict=True)]
 
     def _unlikely_min_tokens(self) -> float:
         """:func:`unlikely_min_tokens` for the kept samples' tokens no side found likely per sample: per bucket, the
@@ -620,8 +620,8 @@ class Calibration:
         cap = config.spike_excess if config.spike_excess is not None else math.inf
         needed = self._unlikely_min_tokens()
         unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor, needed) if read else carried
-                    for bucket, read, carried in zip(self._unlikely, self._unlikely_read(), carried_unlikely,
-                                                     strict=True)]
+                    for bucket, read, carried in zip(self._unlikely, self._unlikely_read(warm, needed),
+                                                     carried_unlikely, strict=True)]
         return centre, allowance, spike, unlikely
 
     def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None) -> None:
