@@ -372,5 +372,12 @@ class GuardConfig:
     def quarantines(self) -> bool:
         return self.mode == "quarantine"
 
+    @property
+    def joint_drift_limit(self) -> float | None:
+        """nats: the ``drift`` rule's joint part fires where ``spike_margin + joint_drift_weight · (CUSUM − drift
+        threshold)`` exceeds this (``−joint_margin``); ``None`` where that part is off (``joint_margin`` or the
+        spike rule, ``spike_excess``, is ``None``). One place for the reference verdict and the fused kernel."""
+        return -self.joint_margin if self.joint_margin is not None and self.spike_excess is not None else None
+
     def to_dict(self) -> dict:
         return {field.name: getattr(self, field.name) for field in fields(self)}

@@ -90,8 +90,7 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
                _threshold(drift), float(config.spike_min_trainer_logprob), UNLIKELY_STEP_CLIP,
-               -float(config.joint_margin) if config.joint_margin is not None and config.spike_excess is not None
-               else math.inf, float(config.joint_drift_weight)]
+               _threshold(config.joint_drift_limit), float(config.joint_drift_weight)]
     assert len(values) == 36
     rows = ([0.0] * NUM_ENGINE_BUCKETS + [0.0, 1.0] if scaling is None
             else [float(v) for v in scaling.slope.tolist()] + [float(scaling.floor), float(scaling.candidates)])

@@ -45,9 +45,9 @@ def rule_firings(samples: torch.Tensor, config: GuardConfig,
     if config.drift_threshold is not None:
         threshold = drift_threshold if drift_threshold is not None else config.drift_threshold
         firings["drift"] = column["drift_cusum"] > threshold
-        if config.joint_margin is not None and config.spike_excess is not None:  # both near: NaN margins never fire
+        if config.joint_drift_limit is not None:  # both near: NaN margins never fire
             joint = column["spike_margin"] + config.joint_drift_weight * (column["drift_cusum"] - threshold)
-            firings["drift"] |= joint > -config.joint_margin
+            firings["drift"] |= joint > config.joint_drift_limit
     return firings
 
 
