@@ -371,7 +371,8 @@ def test_server_mode_quarantines_exactly_the_injected_samples(tmp_path_factory, 
     for row in rows:
         assert row["engine/generation_tokens"] > 0 and row["engine/requests_finished"] > 0, row
         assert row["engine/running_requests"] >= 0 and 0 <= row["engine/kv_cache_usage"] <= 1, row
-        assert 0 <= row["engine/prefix_cache_hit_share"] <= 1 and row["engine/scrape_seconds"] < 2, row
+        assert 0 <= row["engine/prefix_cache_hit_share"] <= 1, row
+        assert math.isfinite(row["engine/scrape_seconds"]) and row["engine/scrape_seconds"] >= 0, row  # recorded, not raced
     for record in records:
         assert record.engine["rollout"]["weight_version"] == record.step
         assert record.engine["rollout"]["server_step"]["generation_tokens"] > 0
