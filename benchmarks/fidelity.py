@@ -33,6 +33,7 @@ from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, cat, from_table, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
 from rollout_guard.config import GuardConfig  # noqa: E402
+from rollout_guard.errors import GuardConfigError  # noqa: E402
 from rollout_guard.statistics import COLUMN  # noqa: E402
 from rollout_guard.verdict import judge  # noqa: E402
 
@@ -54,6 +55,34 @@ def preset(name: str) -> GuardConfig:
     if name == "detector-only":  # the direction-aware rules and NaN rules alone
         return GuardConfig(max_quarantine_share=None, spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
     raise typer.BadParameter(f"--preset {name!r}: use 'defaults', 'v0.1' or 'detector-only'")
+
+
+def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
+    """``config`` with ``FIELD=VALUE`` overrides (``--set``; VALUE a Python literal: ``2.0``, ``None``, ``True``), checked
+    by :class:`GuardConfig` itself, before any data is read.
+
+    >>> with_overrides(preset("defaults"), ["calibrated_drift_floor=2.0"]).calibrated_drift_floor
+    2.0
+    """
+    import ast
+    from dataclasses import fields
+
+    known = {field.name for field in fields(GuardConfig)}
+    changes = {}
+    for item in overrides:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or name not in known:
+            raise typer.BadParameter(f"--set {item!r}: use FIELD=VALUE with FIELD a GuardConfig field, e.g. "
+                                     "calibrated_drift_floor=2.0")
+        try:
+            changes[name] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise typer.BadParameter(f"--set {item!r}: VALUE must be a Python literal (2.0, None, True)") from None
+    try:
+        return replace(config, **changes)
+    except GuardConfigError as error:
+        raise typer.BadParameter(f"--set: {error}") from None
 
 
 Noise = Callable[[Rollouts], Rollouts]
@@ -213,11 +242,13 @@ def main(
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
     out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for results.json, results.md, sweep.png"),
+    overrides: list[str] = typer.Option([], "--set", help="FIELD=VALUE: measure the preset with one GuardConfig field "
+                                        "changed (repeatable), e.g. --set calibrated_drift_floor=2.0"),
 ) -> None:
     paths = sorted(glob.glob(data))
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file: generate the data (benchmarks/fidelity_data/README.md)")
-    config = preset(preset_name)
+    config = with_overrides(preset(preset_name), overrides)
     started = time.perf_counter()
     table = read_tables(paths)
     generator = torch.Generator().manual_seed(seed)
@@ -240,7 +271,7 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     all_pass = all(v["pass"] for r in results for v in r["figures"].values())
     summary = {
-        "preset": preset_name, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
+        "preset": preset_name, "overrides": overrides, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
         "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows,
         "fault_share": fault_share, "warmup_steps": warmup_steps,
         "dense_phase2": dense_phase2, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling,

@@ -1,0 +1,57 @@
+"""The fidelity benchmark's ``--set FIELD=VALUE``: a variant of a preset measured from the repo, its bad input refused
+in one line naming the field, before any data is read and with nothing written."""
+
+from __future__ import annotations
+
+import doctest
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import fidelity  # noqa: E402
+from benchmarks.fidelity import app, preset, with_overrides  # noqa: E402
+
+
+def test_an_override_changes_that_field_only():
+    base = preset("defaults")
+    changed = with_overrides(base, ["calibrated_drift_floor=2.0", "joint_margin=None"])
+    assert changed.calibrated_drift_floor == 2.0 and changed.joint_margin is None
+    assert changed.to_dict() | {"calibrated_drift_floor": base.calibrated_drift_floor,
+                                "joint_margin": base.joint_margin} == base.to_dict()
+    assert with_overrides(base, []) == base
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner()
+    for test in finder.find(with_overrides, globs=vars(fidelity)):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+
+
+@pytest.mark.parametrize(("item", "named"), [
+    ("no_such_field=1", "no_such_field=1"),
+    ("calibrated_drift_floor", "calibrated_drift_floor"),  # no '='
+    ("calibrated_drift_floor=two", "calibrated_drift_floor=two"),  # not a literal
+    ("calibrated_drift_floor=-1.0", "GuardConfig.calibrated_drift_floor=-1.0"),  # refused by GuardConfig itself
+])
+def test_bad_overrides_are_refused_naming_the_field(item, named):
+    with pytest.raises(typer.BadParameter) as error:
+        with_overrides(preset("defaults"), [item])
+    message = str(error.value)
+    assert named in message and "\n" not in message
+
+
+def test_the_command_refuses_a_bad_override_before_reading_data(tmp_path, monkeypatch):
+    def unread(paths):  # the data must not be read
+        raise AssertionError("data read before the --set check")
+
+    monkeypatch.setattr(fidelity, "read_tables", unread)
+    result = CliRunner().invoke(app, ["--data", str(REPO / "benchmarks" / "fidelity_data" / "*.parquet"),
+                                      "--set", "spike_excess=0", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "spike_excess" in result.output
+    assert not (tmp_path / "out").exists()
