@@ -242,8 +242,8 @@ def main(
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
     out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for results.json, results.md, sweep.png"),
-    overrides: list[str] = typer.Option([], "--set", help="FIELD=VALUE: measure the preset with one GuardConfig field "
-                                        "changed (repeatable), e.g. --set calibrated_drift_floor=2.0"),
+    overrides: list[str] = typer.Option([], "--set", help="FIELD=VALUE: measure the preset with this GuardConfig field "
+                                        "changed (repeat for more), e.g. --set calibrated_drift_floor=2.0"),
 ) -> None:
     paths = sorted(glob.glob(data))
     if not paths:
