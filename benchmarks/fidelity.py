@@ -14,6 +14,7 @@ estimate; CI-PASS also needs the whole interval on the right side of the goal.
 
 from __future__ import annotations
 
+import ast
 import functools
 import glob
 import json
@@ -21,7 +22,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -64,9 +65,6 @@ def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
     >>> with_overrides(preset("defaults"), ["calibrated_drift_floor=2.0"]).calibrated_drift_floor
     2.0
     """
-    import ast
-    from dataclasses import fields
-
     known = {field.name for field in fields(GuardConfig)}
     changes = {}
     for item in overrides:

@@ -238,7 +238,7 @@ def unlikely_min_tokens(per_row: float) -> float:
     >>> unlikely_min_tokens(60.0), unlikely_min_tokens(0.0), unlikely_min_tokens(float("nan"))
     (100000.0, 10000.0, 100000.0)
     """
-    if not per_row == per_row:  # NaN: not known yet
+    if math.isnan(per_row):  # not known yet
         return UNLIKELY_MIN_TOKENS
     return min(UNLIKELY_MIN_TOKENS, max(UNLIKELY_FEWEST_TOKENS, UNLIKELY_TAIL_TOKENS * per_row / UNLIKELY_ROW_SHARE))
 
