@@ -1,19 +1,24 @@
-"""What a count-of-exceedances rule could do on the fidelity benchmark, with hindsight (thirteenth session; not a guard rule).
+"""What a count-of-exceedances rule could do on the fidelity benchmark, with hindsight (thirteenth session; not a
+guard rule).
 
-Per condition: every token's x = d − (its engine bucket's median clean d), q the bucket's clean 1 − Q quantile of |x|; a
-row scores −ln P(Poisson(Q·n) ≥ k) for k of its n tokens over q; the threshold is the clean rows' 99.9 % point (so
-0.1 % of clean rows over it, with hindsight). Printed: the share of late-onset and moderate rows over it.
+Per condition: every token's x = d − (its engine bucket's median clean d), q the bucket's clean 1 − Q quantile of
+|x|; a row scores −ln P(Poisson(Q·n) ≥ k) for k of its n tokens over q; the threshold is the separability bound's
+own (``hindsight_threshold``: at most 0.1 % of the clean rows over it). Printed: the share of late-onset and
+moderate rows over it.
 
     python benchmarks/results-2026-12-02-thirteenth/count_rule_prototype.py 0.01 abs > count_rule_prototype.txt
 """
 import glob
 import sys
+from pathlib import Path
 
 import torch
-from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.fidelity import DEFAULT_DATA, conditions, synthetic_faults
 from benchmarks.fidelity_kit.rollouts import read_tables
+from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE
+from benchmarks.separability import hindsight_threshold
 from rollout_guard.statistics import engine_bucket
 table = read_tables(sorted(glob.glob(DEFAULT_DATA)))
 g = torch.Generator().manual_seed(0)
@@ -48,7 +53,7 @@ for name, clean, real, apply, _ in conditions(table, 0, 256):
             v = (sel - centre[k]).abs() if SIDE == 'abs' else sel - centre[k]
             q[k] = torch.quantile(v.double()[:1_000_000] if len(v) > 1_000_000 else v.double(), 1 - Q)
     cs = score(clean, centre, q)
-    thr = torch.quantile(cs, 0.999)
+    thr = hindsight_threshold(cs, GOAL_FALSE_RATE)
     out = []
     for f in ('late_onset', 'moderate_confidence', 'real_late_onset'):
         if f not in faulty: continue
