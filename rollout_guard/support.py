@@ -1,0 +1,89 @@
+"""The probability mass an engine's sampling support keeps: what puts the trainer on the engine's footing.
+
+vLLM reports *processed* logprobs (``logprobs_mode="processed_logprobs"``, what TRL asks for): the logprob of the
+sampled token under the distribution it sampled from, renormalised over the tokens that min-p, top-k and top-p
+kept. The trainer scores the whole vocabulary. On a clean token the two then differ by ``−log Z``, ``Z`` the
+probability mass of the kept support, which varies token by token (a flat distribution keeps little under
+top-k) and is noise the guard would otherwise have to calibrate around. Subtracting the trainer's own
+``log Z`` from its logprob compares both sides on the same support: ``d = engine − (trainer − log Z)``.
+
+Pure math only; computing ``Z`` from a trainer's hidden states without an extra forward pass is the TRL adapter's
+(``rollout_guard.integrations.trl.support``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TIES = 8  # tokens tied with the k-th logit that top-k alone counts beyond the k (a topk of k + TIES)
+
+
+def kept_log_mass(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                  total: torch.Tensor | None = None) -> torch.Tensor:
+    """``log Z``: the log of the probability mass of the tokens vLLM's sampler keeps, per position.
+
+    With ``p = softmax(logits)`` over the last dimension (the logits already divided by the temperature), in
+    vLLM's order (``vllm/v1/sample/sampler.py``): min-p keeps ``p_i ≥ min_p · max_j p_j``; top-k keeps the logits
+    at least the k-th largest (ties kept); top-p, on the distribution renormalised over what is left, drops the
+    least likely tokens whose cumulative mass is at most ``1 − top_p`` (the most likely token is always kept).
+    ``log Z = logsumexp(logits[kept]) − logsumexp(logits) ≤ 0``; 0 when nothing is cut (``top_k = 0`` or at least
+    the vocabulary, ``top_p = 1``, ``min_p = 0``). The engine's processed logprob of a kept token is
+    ``log p_i − log Z``. Cost per position: with ``top_k`` a ``topk`` of the vocabulary (top-p then acts on the
+    k values); top-p without top-k sorts the vocabulary. vLLM keeps every token tied with the k-th logit: top-k
+    alone counts up to :data:`TIES` of them beyond the k (from a ``topk`` of k + TIES), top-k with top-p none
+    (a tied token's mass is the k-th one's, ≲ 1/k of the kept mass).
+
+    Args:
+        logits: ``(..., V)`` logits at the sampling temperature (any float dtype; computed in float32).
+        top_k: keep the k most likely tokens; 0 (or ≥ V) keeps all.
+        top_p: keep the smallest most-likely set holding at least this mass; 1.0 keeps all.
+        min_p: keep tokens at least this fraction of the most likely one's probability; 0.0 keeps all.
+        total: ``logsumexp(logits)`` over the last dimension where the caller has it already (one pass saved).
+
+    Returns:
+        ``(...)`` float32, nats, ≤ 0.
+
+    Example: probabilities 0.5, 0.3, 0.2; top-2 keeps 0.8, top-p 0.6 keeps 0.5 + 0.3 (0.5 alone is < 0.6):
+
+    >>> logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    >>> round(float(kept_log_mass(logits, top_k=2).exp()), 4), round(float(kept_log_mass(logits, top_p=0.6).exp()), 4)
+    (0.8, 0.8)
+    >>> round(float(kept_log_mass(logits, top_p=0.5).exp()), 4), float(kept_log_mass(logits))
+    (0.5, 0.0)
+    >>> round(float(kept_log_mass(logits, min_p=0.5).exp()), 4)  # 0.2 < 0.5 · 0.5: cut
+    0.8
+    """
+    logits = logits.float()
+    vocabulary = logits.shape[-1]
+    total = torch.logsumexp(logits, dim=-1) if total is None else total
+    if top_k >= vocabulary:
+        top_k = 0
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
+        return torch.zeros_like(total)
+    floor = logits.amax(dim=-1, keepdim=True) + math.log(min_p) if min_p > 0.0 else None  # min-p: logit ≥ this
+    ties = None
+    if top_k > 0:  # top-k, then top-p among the k: no sort of the vocabulary
+        if top_p >= 1.0:  # vLLM keeps the tokens tied with the k-th logit: count up to TIES beyond the k
+            values = logits.topk(min(top_k + TIES, vocabulary), dim=-1).values
+            kth = values[..., top_k - 1 : top_k]
+            ties = (values[..., top_k:] == kth).sum(dim=-1, keepdim=True).float().log() + kth  # −inf: none
+            if floor is not None:
+                ties = ties.masked_fill(kth < floor, -math.inf)
+            ordered = values[..., :top_k]
+        else:
+            ordered = logits.topk(top_k, dim=-1).values.flip(-1)  # ascending, as vLLM's apply_top_k_top_p
+    else:
+        ordered = logits.sort(dim=-1).values if top_p < 1.0 else logits
+    if floor is not None:
+        ordered = ordered.masked_fill(ordered < floor, -math.inf)
+    if top_p < 1.0:
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        cut = cumulative <= 1.0 - top_p
+        cut[..., -1] = False
+        ordered = ordered.masked_fill(cut, -math.inf)
+    kept = torch.logsumexp(ordered, dim=-1)
+    if ties is not None:
+        kept = torch.logaddexp(kept, ties.squeeze(-1))
+    return kept - total
