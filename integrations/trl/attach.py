@@ -28,6 +28,7 @@ from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
 from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
 from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, sampling_settings
+from rollout_guard.integrations.trl.support import SupportCapture, describe, support_settings
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.selection import worst_suspects
 from rollout_guard.sinks import LocalFilesSink, Sink
@@ -128,6 +129,10 @@ class TrlGuard:
         self.guard.checks = None if two_sided else (  # the summary names a limited mode only
             "nothing (no logprobs; batches pass through)" if self.nothing_to_check else "non-finite values only")
         self._generated: tuple[list, list | None] | None = None  # this step's completion token lists and tool masks
+        # the trainer's log-mass of the engine's top-k/top-p/min-p support, from the pass that scores the tokens
+        support = support_settings(trainer) if two_sided and self.config.compare_on_engine_support else None
+        self.support = SupportCapture(trainer, support) if support is not None else None
+        self._support_mass: torch.Tensor | None = None  # (B, K) of TRL's own pass this step
         self.last_truncated_pass: dict[str, float] | None = None  # rows, tokens, seconds of the latest truncated-row pass
 
         self._original_generate_and_score = trainer._generate_and_score_completions
@@ -168,6 +173,10 @@ class TrlGuard:
             )
         if trainer.use_vllm or getattr(trainer, "rollout_func", None) is not None:
             message = processed_logprobs_warning(trainer)
+            if message is not None and self.support is not None:
+                message = (f"rollout_guard: the engine reports logprobs renormalised over what {describe(self.support.settings)} "
+                           "keeps; the guard compares the trainer's on the same support (its log-mass of it from the pass "
+                           "that computes its logprobs; GuardConfig.compare_on_engine_support).")
             if message is not None:
                 self._say_once("processed-logprobs", message)
 
@@ -190,7 +199,13 @@ class TrlGuard:
         if self.engine_context is not None:
             self.engine_context.begin_step()
         self._generated = None
-        batch = self._original_generate_and_score(inputs)
+        self._support_mass = None
+        if self.support is not None and self.trl_trainer_logprobs:
+            with self.support.active(first_only=True):
+                batch = self._original_generate_and_score(inputs)
+            self._support_mass = self.support.first()
+        else:
+            batch = self._original_generate_and_score(inputs)
         if not self.trainer.model.training or self.nothing_to_check:
             return batch
         if self.engine_context is not None:
@@ -245,11 +260,14 @@ class TrlGuard:
         judged, attention = loss_mask, require(batch, "completion_mask")
         if rows:
             judged, attention = truncated_judged_mask(loss_mask, attention, rows, lengths, tool_masks)
-        trainer_logprobs = None
+        trainer_logprobs, log_mass = None, self._support_mass
         if self.extra_forward:
-            trainer_logprobs = self._trainer_logprobs(batch, attention)
+            trainer_logprobs, log_mass = self._trainer_logprobs(batch, attention)
         elif self.judges_truncated and self.trl_trainer_logprobs and forward_rows:
-            trainer_logprobs = self._trainer_logprobs(batch, attention, rows, forward_rows)
+            trainer_logprobs, log_mass = self._trainer_logprobs(batch, attention, rows, forward_rows)
+        if log_mass is not None:  # on the engine's support: trainer − log Z (compare_on_engine_support)
+            base = require(batch, "old_per_token_logps") if trainer_logprobs is None else trainer_logprobs
+            trainer_logprobs = base - log_mass.to(base)
         injector = getattr(self.trainer, "_rollout_guard_injector", None)
         return evidence_of(batch, trainer_logprobs, injector.last_selected if injector is not None else None, mask=judged)
 
@@ -435,9 +453,10 @@ class TrlGuard:
         return accelerator.gather(tokens.to(accelerator.device)) if accelerator.num_processes > 1 else tokens
 
     def _trainer_logprobs(self, batch: dict[str, Any], completion_attention: torch.Tensor, rows: list[int] | None = None,
-                          forward_rows: int = 0) -> torch.Tensor:
+                          forward_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The trainer's logprobs of the sampled tokens: one no-grad forward pass over the batch (``rows`` None), or
-        over the truncated ``rows`` only (padded to ``forward_rows`` with repeats), written into TRL's own."""
+        over the truncated ``rows`` only (padded to ``forward_rows`` with repeats), written into TRL's own; with
+        the trainer's log-mass of the engine's support from the same pass (None when not compared on it)."""
         trainer = self.trainer
         input_ids = torch.cat([require(batch, "prompt_ids"), require(batch, "completion_ids")], dim=1)
         attention_mask = torch.cat([require(batch, "prompt_mask"), completion_attention], dim=1)
@@ -446,18 +465,23 @@ class TrlGuard:
             index = torch.tensor((rows or [0]) * (forward_rows // max(len(rows), 1) + 1), device=input_ids.device)[:forward_rows]
             input_ids, attention_mask = input_ids[index], attention_mask[index]
         started = time.perf_counter()
-        with torch.no_grad(), _without_gradient_checkpointing(trainer):
+        capture = self.support.active() if self.support is not None else contextlib.nullcontext()
+        with torch.no_grad(), _without_gradient_checkpointing(trainer), capture:
             logprobs, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, input_ids, attention_mask, width, batch_size=trainer.args.per_device_train_batch_size,
             )
+        log_mass = self.support.first() if self.support is not None else None
         if rows is None:
-            return logprobs
+            return logprobs, log_mass
         self.last_truncated_pass = {"rows": float(forward_rows), "tokens": float(attention_mask.sum()),
                                     "padded_tokens": float(attention_mask.numel()), "seconds": time.perf_counter() - started}
         merged = require(batch, "old_per_token_logps").clone()
+        merged_mass = self._support_mass.clone() if self._support_mass is not None and log_mass is not None else None
         if rows:
             merged[index[: len(rows)]] = logprobs[: len(rows)].to(merged)
-        return merged
+            if merged_mass is not None:
+                merged_mass[index[: len(rows)]] = log_mass[: len(rows)].to(merged_mass)
+        return merged, merged_mass
 
     # -- checkpoints -----------------------------------------------------------------------------------------
 

@@ -165,23 +165,32 @@ def test_injection_in_a_single_group_batch_writes_real_text_from_another_prompt(
     assert sum(length >= 3 for length in lengths) >= 0.75 * len(lengths), f"corrupted completion lengths {lengths}"
 
 
-def test_processed_logprobs_of_a_high_entropy_top_k_policy_are_not_corruption(tmp_path_factory, tiny_model_dir):
+@pytest.mark.parametrize("scenario", ["topk_high_entropy", "topk_high_entropy_offset"])
+def test_processed_logprobs_of_a_high_entropy_top_k_policy_are_not_corruption(tmp_path_factory, tiny_model_dir, scenario):
     """Issue 10: top_k=5 on a barely trained policy, no corruption. Release 0.1's thresholds flagged every sample
-    (mean |Δ| ≈ the log of the mass outside the top 5) and its breaker stopped training at step 1."""
+    (mean |Δ| ≈ the log of the mass outside the top 5) and its breaker stopped training at step 1. By default the
+    trainer's logprobs are compared on vLLM's top-5 support (the offset is gone: what is left is the engine's and
+    the trainer's float32 noise); with ``compare_on_engine_support=False`` the offset stays and the calibration
+    must absorb it."""
     from rollout_guard.config import GuardConfig
     from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
     from rollout_guard.verdict import judge
 
     model = build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(train_steps=5))  # barely trained: high entropy
-    result, log = run_scenario("topk_high_entropy", tmp_path_factory, model, steps=4)
+    result, log = run_scenario(scenario, tmp_path_factory, model, steps=4)
     assert len(result["reports"]) == 4 and "stopped training" not in log
     offsets = [report["metrics"]["mean_abs_delta"] for report in result["reports"]]
-    assert min(offsets) > 0.5, f"the scenario must produce a real processed-logprob offset: {offsets}"
+    if scenario == "topk_high_entropy":
+        assert max(offsets) < 0.01, f"on the engine's support only numeric noise is left: {offsets}"
+        assert "the guard compares the trainer's on the same support" in log
+    else:
+        assert min(offsets) > 0.5, f"the scenario must produce a real processed-logprob offset: {offsets}"
     for report in result["reports"]:
         assert not report["suspect"].any(), report["metrics"]
-    release_0_1 = GuardConfig(spike_delta=8.0, mean_delta=1.0, spike_excess=None, drift_threshold=None)
-    flagged = [float(judge(report["samples"], release_0_1).suspect.float().mean()) for report in result["reports"]]
-    assert max(flagged) > 0.5, f"control: the old thresholds flag this run ({flagged})"
+    if scenario == "topk_high_entropy_offset":
+        release_0_1 = GuardConfig(spike_delta=8.0, mean_delta=1.0, spike_excess=None, drift_threshold=None)
+        flagged = [float(judge(report["samples"], release_0_1).suspect.float().mean()) for report in result["reports"]]
+        assert max(flagged) > 0.5, f"control: the old thresholds flag this run ({flagged})"
 
 
 @pytest.mark.trl_range

@@ -1,0 +1,92 @@
+"""The trainer's log-mass of the engine's support, captured in the pass that computes its logprobs (real TRL
+GRPOTrainer, tiny local model, transformers rollouts; no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integrations.test_trl_attach import make_trainer
+
+
+@pytest.fixture(scope="module")
+def high_entropy_model(tiny_model_dir):
+    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
+
+    return build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(train_steps=5))  # barely trained: flat
+
+
+@pytest.mark.parametrize("settings", [(5, 1.0, 0.0), (0, 0.8, 0.0), (5, 0.9, 0.05)])
+def test_captured_mass_is_the_full_logits_mass_at_each_completion_token(high_entropy_model, tmp_path, settings):
+    """Through TRL's own scoring call (its fused LM head never makes the logits): the hook's log Z per completion
+    token equals the one from the full logits of an ordinary forward, position by position."""
+    from rollout_guard.integrations.trl.support import SupportCapture
+    from rollout_guard.support import kept_log_mass
+
+    top_k, top_p, min_p = settings
+    trainer = make_trainer(high_entropy_model, tmp_path, top_k=top_k, top_p=top_p, min_p=min_p or None, temperature=0.7)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 30, (6, 14), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded prompt
+    width = 9
+    capture = SupportCapture(trainer, settings)
+    with torch.no_grad(), capture.active():
+        logprobs, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width, batch_size=4)
+    assert len(capture.calls) == 1 and capture.calls[0].shape == logprobs.shape == (6, width)
+    assert "_get_per_token_logps_and_entropies" not in vars(trainer), "the instance is left as it was"
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1].float() / 0.7
+    expected = kept_log_mass(logits, top_k=top_k, top_p=top_p, min_p=min_p)
+    assert float(expected.max()) < -0.05, "the setting must cut real mass for the check to mean something"
+    torch.testing.assert_close(capture.calls[0], expected, atol=1e-4, rtol=0)
+    shifted = kept_log_mass(trainer.model(input_ids=ids, attention_mask=mask).logits[:, -width:].float() / 0.7,
+                            top_k=top_k, top_p=top_p, min_p=min_p)
+    assert not torch.allclose(capture.calls[0], shifted, atol=1e-2), "control: one position off is told apart"
+
+
+def test_a_token_whose_recomputed_logprob_disagrees_keeps_log_z_zero(high_entropy_model, tmp_path, monkeypatch):
+    """A logit transform the module does not know (here: a wrong scale) must not bend the comparison: those
+    tokens keep log Z = 0, as without the option."""
+    import rollout_guard.integrations.trl.support as support
+
+    trainer = make_trainer(high_entropy_model, tmp_path, top_k=5)
+    monkeypatch.setattr(support, "logit_transform", lambda config: (3.0, None))
+    capture = support.SupportCapture(trainer, (5, 1.0, 0.0))
+    ids = torch.randint(3, 30, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), capture.active():
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 6)
+    assert float((capture.calls[0] == 0).float().mean()) > 0.9
+
+
+def test_settings_that_change_the_logits_fall_back_to_calibration(high_entropy_model, tmp_path):
+    from rollout_guard.integrations.trl.support import support_settings
+
+    assert support_settings(make_trainer(high_entropy_model, tmp_path / "a", top_k=5, top_p=0.9)) == (5, 0.9, 0.0)
+    assert support_settings(make_trainer(high_entropy_model, tmp_path / "b")) is None  # nothing cut
+    assert support_settings(make_trainer(high_entropy_model, tmp_path / "c", top_k=5, repetition_penalty=1.1)) is None
+    assert support_settings(make_trainer(high_entropy_model, tmp_path / "d", top_p=0.9)) is None  # a sort per token
+    assert support_settings(make_trainer(high_entropy_model, tmp_path / "e", min_p=0.05)) == (0, 1.0, 0.05)
+
+
+@pytest.mark.parametrize("compare", [True, False])
+def test_a_top_k_step_is_judged_on_the_engine_support(high_entropy_model, tmp_path, compare):
+    """One GRPO step of a barely trained policy sampled with top_k = 5 (issue 10's case): on the engine's support
+    the clean samples' |Δ| is the fp32 noise of two computations of the same model; without it, the log of the
+    mass outside the top 5, ≈ 1 nat on every token."""
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.trl import attach_guard
+
+    trainer = make_trainer(high_entropy_model, tmp_path / "trainer", top_k=5)
+    guarded = attach_guard(trainer, GuardConfig(compare_on_engine_support=compare, output_dir=str(tmp_path / "guard")),
+                           keep_steps=True)
+    assert (guarded.support is not None) is compare
+    trainer.train()
+    evidence = guarded.steps[0].evidence
+    mask = evidence["mask"].bool()
+    delta = (evidence["engine"] - evidence["trainer"])[mask].abs()
+    if compare:
+        assert float(delta.max()) < 1e-3, float(delta.max())
+    else:
+        assert float(delta.mean()) > 0.5, float(delta.mean())
+    assert not guarded.steps[0].report.suspect.any()
