@@ -31,7 +31,7 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
-from benchmarks.fidelity_kit.rollouts import Rollouts, cat, from_table, read_tables  # noqa: E402
+from benchmarks.fidelity_kit.rollouts import Rollouts, _list_column, cat, from_table, pad_lists, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
 from rollout_guard.config import GuardConfig  # noqa: E402
 from rollout_guard.errors import GuardConfigError  # noqa: E402
@@ -86,13 +86,23 @@ def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
 Noise = Callable[[Rollouts], Rollouts]
 
 
-def conditions(table, seed: int, step_rows: int) -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
+def conditions(table, seed: int, step_rows: int, same_support: bool = False) -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
     """(name, clean base rollouts, real faulty rollouts by fault, noise applied on top, noise parameters) per noise
     condition. The noise goes on top of faulty rows too (after the fault): an engine that reads stale state still
-    returns processed logprobs, and a run's numeric noise does not stop at a corrupted sample."""
+    returns processed logprobs, and a run's numeric noise does not stop at a corrupted sample. ``same_support``:
+    the trainer's logprobs renormalised over the engine's support (``noise.on_engine_support``) where it was cut by
+    top-k, as the TRL adapter's ``compare_on_engine_support`` does (top-p alone stays with the calibration)."""
     import pyarrow.compute as pc
 
     generator = torch.Generator().manual_seed(seed)
+    support_generator = torch.Generator().manual_seed(seed + 7919)  # its own draws: the other conditions' stay as they were
+
+    def load(part, name: str, top_k: int) -> Rollouts:
+        rows = from_table(part, name)
+        if not (same_support and top_k > 0):  # as the TRL adapter: top-p alone is left to the calibration
+            return rows
+        raw, _ = pad_lists(*_list_column(part, "engine_raw_logprobs"))
+        return noise.on_engine_support(rows, raw[:, : rows.mask.shape[1]], support_generator)
     out = []
     for source in sorted(set(table.column("source").to_pylist())):
         of_source = table.filter(pc.equal(table.column("source"), source))
@@ -107,8 +117,8 @@ def conditions(table, seed: int, step_rows: int) -> list[tuple[str, Rollouts, di
             clean_table = part.filter(pc.equal(part.column("fault"), "none"))
             if clean_table.num_rows == 0:
                 continue
-            clean = from_table(clean_table, name)
-            real_faults = {f"real_{fault}": from_table(part.filter(pc.equal(part.column("fault"), fault)), name)
+            clean = load(clean_table, name, top_k)
+            real_faults = {f"real_{fault}": load(part.filter(pc.equal(part.column("fault"), fault)), name, top_k)
                            for fault in sorted(set(part.column("fault").to_pylist()) - {"none"})}
             for fault, rows in real_faults.items():  # in the pooled stream, sampled under this setting
                 pooled_faults.setdefault(fault, []).append(
@@ -128,7 +138,7 @@ def conditions(table, seed: int, step_rows: int) -> list[tuple[str, Rollouts, di
             achieved = noise.describe(apply(clean))
             out.append((f"{source}/+{profile.name}", clean, real, apply,
                         {"noise": profile.name, "source": profile.source, **fitted, **achieved}))
-        apply = functools.partial(noise.topk_high_entropy, generator=generator)
+        apply = functools.partial(noise.topk_high_entropy, generator=generator, same_support=same_support)
         out.append((f"{source}/+topk5_high_entropy", clean, real, apply,
                     {"noise": "topk5_high_entropy", **noise.describe(apply(clean))}))
     return out
@@ -234,6 +244,9 @@ def main(
     dense_phase2: bool = typer.Option(False, help="phase 2 moves the guard on with its whole steps (a quarter "
                                       "faults: the calibration fed the missed ones at that density)"),
     mask_truncated: bool = typer.Option(False, help="as TRL's mask_truncated_completions=True: truncated rows' loss mask is zero"),
+    same_support: bool = typer.Option(False, help="judge the trainer's logprobs renormalised over the engine's kept "
+                                      "support, as the TRL adapter does with compare_on_engine_support (the engine's "
+                                      "recorded log-mass stands in for the trainer's, plus an error: noise.on_engine_support)"),
     announce_sampling: bool = typer.Option(True, help="tell the guard each step's sampling setting, as the TRL adapter "
                                            "does (a change restarts its calibration); off: the pooled streams change "
                                            "setting unannounced, like a policy whose entropy jumps"),
@@ -251,7 +264,7 @@ def main(
     table = read_tables(paths)
     generator = torch.Generator().manual_seed(seed)
     results, judged_all = [], []
-    for name, clean, real_faults, apply, params in conditions(table, seed, step_rows):
+    for name, clean, real_faults, apply, params in conditions(table, seed, step_rows, same_support):
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
@@ -273,6 +286,7 @@ def main(
         "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows,
         "fault_share": fault_share, "warmup_steps": warmup_steps,
         "dense_phase2": dense_phase2, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling,
+        "same_support": same_support,
         "seed": seed,
         "goal": {"recall": GOAL_RECALL, "false_rate": GOAL_FALSE_RATE}, "all_pass": all_pass,
         "seconds": round(time.perf_counter() - started, 1), "results": results,

@@ -129,6 +129,8 @@ def main(
     out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for separability.json/.md"),
     trainer_bins: bool = typer.Option(True, help="cells by both sides' logprob bins and the sign of d; off: by the "
                                       "engine's bins and the sign only, as the guard buckets (separability-engine.*)"),
+    same_support: bool = typer.Option(False, help="the trainer on the engine's support, as benchmarks/fidelity.py "
+                                      "--same-support (separability-support.*)"),
 ) -> None:
     paths = sorted(glob.glob(data))
     if not paths:
@@ -142,7 +144,7 @@ def main(
         guard = {r["condition"]: r["figures"] for r in json.loads(guard_results.read_text())["results"]}
     bound: dict[str, dict[str, float]] = {}
     price: dict[str, dict[str, float]] = {}  # false share the oracle needs for the goal, where the bound is below
-    for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows):
+    for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows, same_support):
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         clean = apply(clean)  # once, after the faults, as benchmarks/fidelity.py draws it
@@ -172,7 +174,7 @@ def main(
             row.append(cell)
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     out.mkdir(parents=True, exist_ok=True)
-    stem = "separability" if trainer_bins else "separability-engine"
+    stem = ("separability" if trainer_bins else "separability-engine") + ("-support" if same_support else "")
     (out / f"{stem}.json").write_text(json.dumps({"seed": seed, "faults_per_condition": faults_per_condition,
                                                        "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
                                                        "false_at_goal": price}, indent=1))
@@ -183,6 +185,7 @@ def main(
     (out / f"{stem}.md").write_text(
         "# Hindsight separability bound (`benchmarks/separability.py`"
         + ("" if trainer_bins else " --no-trainer-bins: cells by the engine's logprob and the sign of d only")
+        + (" --same-support: the trainer's logprobs on the engine's support" if same_support else "")
         + ")\n\nRecall (%) at ≤ 0.1 % false quarantines "
         "of a detector that knows each condition's clean tokens in full and sets its thresholds with the labels "
         f"(see the script's docstring); in brackets the guard's recall from `{guard_results.name}`.\n\n"

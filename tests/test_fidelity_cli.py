@@ -52,3 +52,30 @@ def test_the_command_refuses_a_bad_override_before_reading_data(tmp_path, monkey
     assert result.exit_code == 2, result.output
     assert "spike_excess" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_same_support_renormalises_the_trainer_by_the_engines_kept_mass():
+    """``--same-support``: the trainer's logprob moves up by the engine's recorded −log Z where the support cut
+    something (plus an error of the condition's own spread), and not at all where it cut nothing."""
+    import torch
+
+    from benchmarks.fidelity_kit import noise
+    from benchmarks.fidelity_kit.rollouts import Rollouts
+
+    mask = torch.tensor([[True, True, True, False]])
+    raw = torch.tensor([[-0.5, -2.0, -1.0, 0.0]])
+    engine = torch.tensor([[-0.3, -2.0, -0.6, 0.0]])  # top-k cut 0.2 and 0.4 nats at tokens 0 and 2
+    trainer = raw.clone()  # no engine-vs-trainer noise on one support: the error's sd is 0
+    rows = Rollouts(mask=mask, engine=engine, trainer=trainer, truncated=torch.tensor([False]), step=torch.tensor([0]))
+    moved = noise.on_engine_support(rows, raw, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(moved.trainer, torch.tensor([[-0.3, -2.0, -0.6, 0.0]]))
+    noisy = Rollouts(mask=mask, engine=engine, trainer=raw + torch.tensor([[0.01, -0.02, 0.03, 0.0]]),
+                     truncated=torch.tensor([False]), step=torch.tensor([0]))
+    moved = noise.on_engine_support(noisy, raw, torch.Generator().manual_seed(0))
+    assert float(moved.trainer[0, 1]) == float(noisy.trainer[0, 1]), "nothing cut at token 1: no shift, no error"
+    assert float((moved.trainer - noisy.trainer - (engine - raw))[0, [0, 2]].abs().max()) > 0, "an error where cut"
+    flat = noise.topk_high_entropy(rows, torch.Generator().manual_seed(1), same_support=True)
+    offset = noise.topk_high_entropy(rows, torch.Generator().manual_seed(1))
+    before = (engine - trainer)[mask]
+    assert float(((flat.engine - flat.trainer)[mask] - before).abs().max()) < 0.1  # its kept mass cancels, up to the error
+    assert float(((offset.engine - offset.trainer)[mask] - before).min()) > 0.9  # −log m ≥ −log 0.4

@@ -111,16 +111,41 @@ def describe(rollouts: Rollouts) -> dict:
             "max_abs_delta": float(achieved.max())}
 
 
-def topk_high_entropy(rollouts: Rollouts, generator: torch.Generator) -> Rollouts:
+SUPPORT_MASS_ERROR = 0.025  # nats: sd of the trainer's log-mass error in the top_k = 5 model on the engine's support
+
+
+def topk_high_entropy(rollouts: Rollouts, generator: torch.Generator, same_support: bool = False) -> Rollouts:
     """An early, high-entropy policy sampled with ``top_k = 5``: both sides' logprobs are 1–3 nats lower (a flatter
     policy), and the engine's are renormalised over the kept top-5 mass m ~ U(0.15, 0.4), i.e. raised by
-    −log m ≈ 0.9–1.9 nats (never above 0). No corruption: every row is clean."""
+    −log m ≈ 0.9–1.9 nats (never above 0). No corruption: every row is clean. ``same_support``: the trainer's are
+    renormalised too, over its own reading of that mass, m · exp(ε) with ε ~ N(0, 0.025 nats) (the H200 rollouts'
+    engine-vs-trainer spread on one support is 0.014–0.025 nats per token), as the TRL adapter's
+    ``compare_on_engine_support`` does."""
     mask = rollouts.mask
     flatten = 1.0 + 2.0 * torch.rand(mask.shape, generator=generator)
     kept_mass = 0.15 + 0.25 * torch.rand(mask.shape, generator=generator)
     engine = (rollouts.engine - flatten - torch.log(kept_mass)).clamp(max=-0.01)
     trainer = rollouts.trainer - flatten
+    if same_support:
+        error = SUPPORT_MASS_ERROR * torch.randn(mask.shape, generator=generator)
+        trainer = (trainer - torch.log(kept_mass) + error).clamp(max=-0.01)  # a renormalised logprob is ≤ 0 too
     keep = mask & torch.isfinite(rollouts.trainer) & torch.isfinite(rollouts.engine)
     engine = torch.where(keep, engine, rollouts.engine)
     trainer = torch.where(keep, trainer, rollouts.trainer)
     return replace(rollouts, engine=engine, trainer=trainer)
+
+
+def on_engine_support(rollouts: Rollouts, engine_raw: torch.Tensor, generator: torch.Generator) -> Rollouts:
+    """The trainer's logprobs renormalised over the engine's kept support, ``trainer − log Z`` (what the TRL
+    adapter judges with ``compare_on_engine_support``). The rollouts record the *engine's* ``log Z`` (processed
+    minus raw logprob of the same decode step), not the trainer's: it stands in for it, plus a Gaussian error with
+    the sd of the condition's own engine-vs-trainer logprobs on one support (raw − trainer; 0.014–0.025 nats on the
+    H200 rollouts) on every token the support cut. For a model-generated faulty row it is the faulty engine's
+    ``log Z``, within −log top_p ≤ 0.105 nats of any other under top-p (those rows were sampled with top-p or
+    nothing cut)."""
+    ok = rollouts.mask & torch.isfinite(rollouts.engine) & torch.isfinite(rollouts.trainer) & torch.isfinite(engine_raw)
+    spread = (engine_raw - rollouts.trainer)[ok]
+    sd = float(spread.std()) if spread.numel() > 1 else 0.0
+    offset = (rollouts.engine - engine_raw).clamp(min=0.0)
+    error = sd * torch.randn(rollouts.mask.shape, generator=generator) * (offset > 0)
+    return replace(rollouts, trainer=torch.where(ok, rollouts.trainer + offset + error, rollouts.trainer))

@@ -1,0 +1,118 @@
+"""What comparing on the engine's support costs (``GuardConfig.compare_on_engine_support``), next to the pass it
+rides on: TRL 1.16's scoring pass (backbone + fused LM head, ``trl.trainer.utils.add_fused_lm_head``) over the
+same tokens.
+
+The hook's work per completion token: one more LM-head projection (TRL's fused head never keeps the logits) and
+``kept_log_mass`` (top-k: a ``topk`` of the vocabulary; top-p: a sort of it). Measured: the scoring pass alone and
+with the hook (``rollout_guard.integrations.trl.support.token_log_mass`` on the backbone's hidden states, as the
+adapter's hook runs it), under top_k = 20, top_p = 0.9 and both; peak memory of each. Model: Llama-style, random
+weights built here; on CUDA Qwen2.5-1.5B's shape (hidden 1536, 28 layers, MLP 8960, 12/2 heads, vocab 151,936)
+in bf16, on CPU a small one (the ratio is then not a GPU's).
+
+    python benchmarks/support_overhead.py --device cpu --rows 4 --tokens 256
+    python benchmarks/support_overhead.py --device cuda --rows 16 --tokens 1024 --out support_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import rollout_guard.integrations.trl.support as support
+from rollout_guard.integrations.trl.support import logit_transform, token_log_mass
+
+SETTINGS = {"top_k=20": (20, 1.0, 0.0), "top_p=0.9": (0, 0.9, 0.0), "top_k=20,top_p=0.9": (20, 0.9, 0.0)}
+
+
+def build_model(device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    if device == "cuda":
+        config = LlamaConfig(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
+                             num_key_value_heads=2, vocab_size=151_936, max_position_embeddings=4096)
+        dtype = torch.bfloat16
+    else:
+        config = LlamaConfig(hidden_size=256, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=32_000, max_position_embeddings=4096)
+        dtype = torch.float32
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    add_fused_lm_head(model)
+    return model
+
+
+def timed(function, device: str, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``function()`` over ``repeats`` (after one warm-up), and its peak memory (GiB, CUDA)."""
+    function()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rows", type=int, default=16, help="rows per scoring chunk (TRL's per-device batch)")
+    parser.add_argument("--tokens", type=int, default=1024, help="completion tokens per row (prompt: 128 more)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tile-elements", type=int, nargs="*", default=[support.TILE_ELEMENTS],
+                        help="logits per tile of the hook's projection (each value measured)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = build_model(args.device)
+    width = args.tokens
+    ids = torch.randint(0, model.config.vocab_size, (args.rows, 128 + width), device=args.device)
+    labels = ids.clone()
+    labels[:, :-width] = -100
+    backbone, head = model.base_model, model.get_output_embeddings()
+    scale, softcap = logit_transform(model.config)
+
+    def score():
+        with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+            return model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+
+    results = {"device": args.device, "rows": args.rows, "completion_tokens": width, "vocab": model.config.vocab_size,
+               "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}
+    seconds, peak = timed(score, args.device, args.repeats)
+    results["scoring_pass"] = {"seconds": seconds, "peak_gib": peak}
+    print(f"{args.device}: {args.rows} rows × {width} completion tokens, vocab {model.config.vocab_size}, "
+          f"hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers")
+    print(f"  TRL scoring pass (fused LM head): {1000 * seconds:8.1f} ms, peak {peak:.2f} GiB")
+    for tile in args.tile_elements:
+        support.TILE_ELEMENTS = tile
+        for name, settings in SETTINGS.items():
+            def hook(module, hook_args, hook_kwargs, output, settings=settings):
+                hidden = output.last_hidden_state
+                token_log_mass(hidden[:, -width - 1 : -1], ids[:, -width:], head, scale, softcap, 1.0, settings)
+
+            handle = backbone.register_forward_hook(hook, with_kwargs=True)
+            try:
+                with_hook, peak_hook = timed(score, args.device, args.repeats)
+            finally:
+                handle.remove()
+            extra = with_hook - seconds
+            results[f"{name} tile={tile}"] = {"seconds": with_hook, "extra_seconds": extra, "ratio": extra / seconds,
+                                              "peak_gib": peak_hook, "tile_elements": tile}
+            print(f"  + support hook, {name:18s} tile {tile:>10d}: {1000 * with_hook:8.1f} ms (+{1000 * extra:7.1f} ms, "
+                  f"{100 * extra / seconds:5.1f} % of the pass), peak {peak_hook:.2f} GiB")
+    if args.out:
+        with open(args.out, "w") as handle_out:
+            json.dump(results, handle_out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
