@@ -204,6 +204,7 @@ class TrlGuard:
             with self.support.active(first_only=True):
                 batch = self._original_generate_and_score(inputs)
             self._support_mass = self.support.first()
+            self._support_failed()
         else:
             batch = self._original_generate_and_score(inputs)
         if not self.trainer.model.training or self.nothing_to_check:
@@ -452,6 +453,15 @@ class TrlGuard:
         accelerator = self.trainer.accelerator
         return accelerator.gather(tokens.to(accelerator.device)) if accelerator.num_processes > 1 else tokens
 
+    def _support_failed(self) -> None:
+        """A failure in the support hook (its log Z was 0 there): reported as the guard's failures are, and the run
+        goes on without comparing on the support (the calibration absorbs the offset, as with the option off)."""
+        if self.support is not None and self.support.error is not None:
+            error, self.support = self.support.error, None
+            self._support_mass = None
+            self._failure("computing the trainer's log-mass of the engine's support (compare_on_engine_support; "
+                          "the calibration absorbs the offset from now on)", error)
+
     def _trainer_logprobs(self, batch: dict[str, Any], completion_attention: torch.Tensor, rows: list[int] | None = None,
                           forward_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The trainer's logprobs of the sampled tokens: one no-grad forward pass over the batch (``rows`` None), or
@@ -471,6 +481,7 @@ class TrlGuard:
                 trainer.model, input_ids, attention_mask, width, batch_size=trainer.args.per_device_train_batch_size,
             )
         log_mass = self.support.first() if self.support is not None else None
+        self._support_failed()
         if rows is None:
             return logprobs, log_mass
         self.last_truncated_pass = {"rows": float(forward_rows), "tokens": float(attention_mask.sum()),

@@ -115,6 +115,7 @@ class SupportCapture:
         self.trainer = trainer
         self.settings = settings
         self.calls: list[torch.Tensor] = []
+        self.error: BaseException | None = None  # what failed in the hook (a sharded LM head, an unknown model)
 
     @contextlib.contextmanager
     def active(self, first_only: bool = False) -> Iterator[SupportCapture]:
@@ -140,11 +141,16 @@ class SupportCapture:
             chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
 
             def hook(module: Any, hook_args: tuple, hook_kwargs: dict, output: Any) -> None:
-                hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-                ids = hook_kwargs.get("input_ids", hook_args[0] if hook_args else None)
-                with torch.no_grad():
-                    chunks.append(token_log_mass(hidden[:, -logits_to_keep - 1 : -1].detach(), ids[:, -logits_to_keep:],
-                                                 head, scale, softcap, temperature, self.settings))
+                if self.error is not None:
+                    return
+                try:  # never into TRL's forward: a failure here leaves log Z = 0 (the adapter reports it)
+                    hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+                    ids = hook_kwargs.get("input_ids", hook_args[0] if hook_args else None)
+                    with torch.no_grad():
+                        chunks.append(token_log_mass(hidden[:, -logits_to_keep - 1 : -1].detach(), ids[:, -logits_to_keep:],
+                                                     head, scale, softcap, temperature, self.settings))
+                except Exception as error:  # noqa: BLE001
+                    self.error = error
 
             handle = backbone.register_forward_hook(hook, with_kwargs=True)
             try:
@@ -152,7 +158,7 @@ class SupportCapture:
             finally:
                 handle.remove()
             logprobs = output[0]
-            if not chunks or sum(mass.shape[0] for mass, _ in chunks) != logprobs.shape[0]:
+            if self.error is not None or not chunks or sum(mass.shape[0] for mass, _ in chunks) != logprobs.shape[0]:
                 self.calls.append(torch.zeros_like(logprobs, dtype=torch.float32))  # not the pass it expected
                 return output
             mass, own = (torch.cat(part).to(logprobs.device) for part in zip(*chunks, strict=True))

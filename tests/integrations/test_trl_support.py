@@ -90,3 +90,23 @@ def test_a_top_k_step_is_judged_on_the_engine_support(high_entropy_model, tmp_pa
     else:
         assert float(delta.mean()) > 0.5, float(delta.mean())
     assert not guarded.steps[0].report.suspect.any()
+
+
+def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monkeypatch):
+    """A model whose LM head the hook cannot call (sharded, say): the step is judged without the support (the
+    offset left to the calibration), the failure is counted and reported once, and the option is off from then."""
+    import rollout_guard.integrations.trl.support as support
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.trl import attach_guard
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a sharded LM head")
+
+    monkeypatch.setattr(support, "token_log_mass", broken)
+    trainer = make_trainer(high_entropy_model, tmp_path / "trainer", top_k=5, max_steps=2)
+    guarded = attach_guard(trainer, GuardConfig(output_dir=str(tmp_path / "guard")), keep_steps=True)
+    trainer.train()
+    assert len(guarded.steps) == 2 and guarded.support is None
+    assert guarded.guard.totals.failures == 1
+    evidence = guarded.steps[0].evidence
+    assert float((evidence["engine"] - evidence["trainer"])[evidence["mask"].bool()].abs().mean()) > 0.5  # uncorrected
