@@ -110,3 +110,29 @@ def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monke
     assert guarded.guard.totals.failures == 1
     evidence = guarded.steps[0].evidence
     assert float((evidence["engine"] - evidence["trainer"])[evidence["mask"].bool()].abs().mean()) > 0.5  # uncorrected
+
+
+def test_a_hybrid_model_with_a_logit_multiplier_is_captured_exactly(tiny_model_dir, tmp_path):
+    """FalconH1 (attention ∥ Mamba2, the AI21 case) multiplies its logits by ``lm_head_multiplier``: read as TRL's
+    fused head reads it, the captured log Z matches the model's own full logits, and no token falls back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
+    from rollout_guard.integrations.trl.support import SupportCapture
+    from rollout_guard.support import kept_log_mass
+
+    source = build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(architecture="falcon_h1", train_steps=5))
+    model = AutoModelForCausalLM.from_pretrained(str(source))
+    model.config.lm_head_multiplier = 0.37
+    model.save_pretrained(str(tmp_path / "scaled"))
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(tmp_path / "scaled"))
+    trainer = make_trainer(tmp_path / "scaled", tmp_path / "trainer", top_k=4)
+    assert trainer.model.model.lm_head_multiplier == 0.37
+    ids = torch.randint(3, 30, (4, 12), generator=torch.Generator().manual_seed(2))
+    capture = SupportCapture(trainer, (4, 1.0, 0.0))
+    with torch.no_grad(), capture.active():
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 7)
+        logits = trainer.model(input_ids=ids).logits[:, -8:-1].float()
+    expected = kept_log_mass(logits, top_k=4)
+    assert bool((expected < -0.05).all()), "a real cut on every token"
+    torch.testing.assert_close(capture.calls[0], expected, atol=1e-4, rtol=0)
