@@ -165,6 +165,7 @@ def test_injection_in_a_single_group_batch_writes_real_text_from_another_prompt(
     assert sum(length >= 3 for length in lengths) >= 0.75 * len(lengths), f"corrupted completion lengths {lengths}"
 
 
+@pytest.mark.trl_range
 @pytest.mark.parametrize("scenario", ["topk_high_entropy", "topk_high_entropy_offset"])
 def test_processed_logprobs_of_a_high_entropy_top_k_policy_are_not_corruption(tmp_path_factory, tiny_model_dir, scenario):
     """Issue 10: top_k=5 on a barely trained policy, no corruption. Release 0.1's thresholds flagged every sample
