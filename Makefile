@@ -49,7 +49,7 @@ $(OLD_STAMP): $(STAMP)
 
 # The adapter's end-to-end tests (marked trl_range) on the oldest supported TRL.
 test-trl-oldest: $(OLD_STAMP)
-	$(OLD_VENV)/bin/python -m pytest -m trl_range tests/integrations/test_trl_e2e.py $(ARGS)
+	$(OLD_VENV)/bin/python -m pytest -m trl_range tests/integrations/test_trl_e2e.py tests/integrations/test_trl_support.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLD_VENV) .cache runs

@@ -77,7 +77,11 @@ class TransformersRollouts:
         sequences = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # (B, T, V) processed logits of each step
         token_logprobs = torch.log_softmax(scores, dim=-1).gather(-1, sequences.unsqueeze(-1)).squeeze(-1)
-        is_eos = torch.isin(sequences, torch.tensor(trainer.eos_token_ids, device=sequences.device))
+        eos = getattr(trainer, "eos_token_ids", None)  # TRL 1.14.1 on; 1.14.0 ends at the tokenizer's EOS only
+        if eos is None:
+            tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+            eos = [tokenizer.eos_token_id]
+        is_eos = torch.isin(sequences, torch.tensor(list(eos), device=sequences.device))
         after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # tokens after the first EOS are padding
         lengths = (~after_eos).sum(dim=1).tolist()
         sequences, token_logprobs = sequences.cpu(), token_logprobs.cpu()

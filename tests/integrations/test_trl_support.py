@@ -8,6 +8,8 @@ import torch
 
 from tests.integrations.test_trl_attach import make_trainer
 
+pytestmark = pytest.mark.trl_range  # also on the oldest supported TRL (1.14: full logits, no fused LM head)
+
 
 @pytest.fixture(scope="module")
 def high_entropy_model(tiny_model_dir):
