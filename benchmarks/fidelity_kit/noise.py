@@ -140,9 +140,8 @@ def on_engine_support(rollouts: Rollouts, engine_raw: torch.Tensor, generator: t
     adapter judges with ``compare_on_engine_support``). The rollouts record the *engine's* ``log Z`` (processed
     minus raw logprob of the same decode step), not the trainer's: it stands in for it, plus a Gaussian error with
     the sd of the condition's own engine-vs-trainer logprobs on one support (raw − trainer; 0.014–0.025 nats on the
-    H200 rollouts) on every token the support cut. For a model-generated faulty row it is the faulty engine's
-    ``log Z``, within −log top_p ≤ 0.105 nats of any other under top-p (those rows were sampled with top-p or
-    nothing cut)."""
+    H200 rollouts) on every token the support cut. The benchmark applies it to its top-k conditions only (as the
+    adapter), where every row is clean; a model-generated faulty row would get its faulty engine's ``log Z``."""
     ok = rollouts.mask & torch.isfinite(rollouts.engine) & torch.isfinite(rollouts.trainer) & torch.isfinite(engine_raw)
     spread = (engine_raw - rollouts.trainer)[ok]
     sd = float(spread.std()) if spread.numel() > 1 else 0.0

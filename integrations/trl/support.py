@@ -4,8 +4,8 @@ vLLM's processed logprobs are renormalised over what min-p, top-k and top-p kept
 vocabulary (:mod:`rollout_guard.support`). While TRL (or the guard's own pass) scores the sampled tokens, a
 forward hook on the model's backbone takes its last hidden states, projects them through the LM head in tiles
 and keeps, per completion token, the trainer's ``log Z`` of the engine's support (:func:`kept_log_mass`). The
-guard then judges ``trainer − log Z``: no extra forward pass, one LM-head projection more (and under top-p a sort
-of the vocabulary) per completion token.
+guard then judges ``trainer − log Z``: no extra forward pass, one LM-head projection more and a ``topk`` of the
+vocabulary per completion token (:func:`support_settings` says which settings it serves).
 
 Per token, the hook also recomputes the trainer's logprob of the sampled token from the same logits; where it
 differs from TRL's by more than :data:`AGREEMENT` (a logit transform this module does not know), that token's
