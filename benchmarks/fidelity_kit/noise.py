@@ -112,6 +112,7 @@ def describe(rollouts: Rollouts) -> dict:
 
 
 SUPPORT_MASS_ERROR = 0.025  # nats: sd of the trainer's log-mass error in the top_k = 5 model on the engine's support
+SUPPORT_ERROR_SCALE = 1.0  # multiplies both stand-in errors (a sensitivity knob; results-2026-12-02-fourteenth)
 
 
 def topk_high_entropy(rollouts: Rollouts, generator: torch.Generator, same_support: bool = False) -> Rollouts:
@@ -127,7 +128,7 @@ def topk_high_entropy(rollouts: Rollouts, generator: torch.Generator, same_suppo
     engine = (rollouts.engine - flatten - torch.log(kept_mass)).clamp(max=-0.01)
     trainer = rollouts.trainer - flatten
     if same_support:
-        error = SUPPORT_MASS_ERROR * torch.randn(mask.shape, generator=generator)
+        error = SUPPORT_ERROR_SCALE * SUPPORT_MASS_ERROR * torch.randn(mask.shape, generator=generator)
         trainer = (trainer - torch.log(kept_mass) + error).clamp(max=-0.01)  # a renormalised logprob is ≤ 0 too
     keep = mask & torch.isfinite(rollouts.trainer) & torch.isfinite(rollouts.engine)
     engine = torch.where(keep, engine, rollouts.engine)
@@ -146,5 +147,5 @@ def on_engine_support(rollouts: Rollouts, engine_raw: torch.Tensor, generator: t
     spread = (engine_raw - rollouts.trainer)[ok]
     sd = float(spread.std()) if spread.numel() > 1 else 0.0
     offset = (rollouts.engine - engine_raw).clamp(min=0.0)
-    error = sd * torch.randn(rollouts.mask.shape, generator=generator) * (offset > 0)
+    error = SUPPORT_ERROR_SCALE * sd * torch.randn(rollouts.mask.shape, generator=generator) * (offset > 0)
     return replace(rollouts, trainer=torch.where(ok, rollouts.trainer + offset + error, rollouts.trainer))
