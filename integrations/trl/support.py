@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from rollout_guard.integrations.trl.sampling import _generation_kwargs, _setting_reader
+from rollout_guard.integrations.trl.sampling import _setting_reader, support_changes
 from rollout_guard.support import kept_log_mass
 
 AGREEMENT = 0.1  # nats: the recomputed logprob of the sampled token must be this close to TRL's (bf16 logits: ~0.01)
 TILE_ELEMENTS = 1 << 25  # logits per tile (128 MiB in float32): tokens per tile = this // vocabulary size
-_OTHER_SUPPORT_CHANGES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "typical_p", "bad_words",
-                          "logit_bias", "allowed_token_ids", "structured_outputs", "guided_decoding")
+_CUTS = ("top_p=", "top_k=", "min_p=")  # the support_changes entries this module compares on
 
 
 def support_settings(trainer: Any) -> tuple[int, float, float] | None:
@@ -36,16 +35,12 @@ def support_settings(trainer: Any) -> tuple[int, float, float] | None:
     something else changes the engine's logits too (penalties, guided decoding, logit bias: the trainer's logits
     are not the engine's there, so its ``log Z`` of them would not be the engine's); and under top-p without
     top-k, whose offset is at most ``−log top_p`` (0.105 nats at 0.9) while its ``log Z`` needs a sort of the
-    vocabulary per token: 242 % of TRL's scoring pass on an H200 (1.5 B-parameter shape, vocabulary 151,936,
-    ``benchmarks/support_overhead.py``)."""
-    args, extra = _generation_kwargs(trainer)
-    setting = _setting_reader(trainer)
-    for name in _OTHER_SUPPORT_CHANGES:
-        value = setting(name, None)
-        if value not in (None, 0, 0.0, 1.0, [], {}) or (name == "repetition_penalty" and value not in (None, 1.0)):
-            return None
-    if getattr(args, "vllm_structured_outputs_regex", None):
+    vocabulary per token: +296 ms, 222 % of TRL's scoring pass on an H200 (1.5 B-parameter shape, vocabulary
+    151,936, ``benchmarks/support_overhead.py``). What changes the engine's logits is read by
+    :func:`~rollout_guard.integrations.trl.sampling.support_changes`, as the attach message names it."""
+    if any(not change.startswith(_CUTS) for change in support_changes(trainer)):
         return None
+    setting = _setting_reader(trainer)
     top_k = max(int(setting("top_k", 0) or 0), 0)
     top_p = float(setting("top_p", 1.0) if setting("top_p", 1.0) is not None else 1.0)
     min_p = float(setting("min_p", 0.0) or 0.0)

@@ -68,6 +68,8 @@ def test_settings_that_change_the_logits_fall_back_to_calibration(high_entropy_m
     assert support_settings(make_trainer(high_entropy_model, tmp_path / "b")) is None  # nothing cut
     assert support_settings(make_trainer(high_entropy_model, tmp_path / "c", top_k=5, repetition_penalty=1.1)) is None
     assert support_settings(make_trainer(high_entropy_model, tmp_path / "d", top_p=0.9)) is None  # a sort per token
+    penalised = make_trainer(high_entropy_model, tmp_path / "f", top_k=5, generation_kwargs={"presence_penalty": 1.0})
+    assert support_settings(penalised) is None  # an additive penalty of 1.0 changes the engine's logits
     assert support_settings(make_trainer(high_entropy_model, tmp_path / "e", min_p=0.05)) == (0, 1.0, 0.05)
 
 
