@@ -39,25 +39,13 @@ def trainer_side(model, prompts: list[list[int]], completions: list[list[int]], 
                  device: str, autocast: bool, chunk: int = 32) -> tuple[list[float], list[float]]:
     """Per completion token (flattened): the trainer's logprob and its ``log Z`` of the top-k support."""
     logprobs, masses = [], []
-    context = torch.autocast(device_type=device, dtype=torch.bfloat16) if autocast else torch.autocast(device, enabled=False)
-    for start in range(0, len(prompts), chunk):
-        rows = [p + c for p, c in zip(prompts[start:start + chunk], completions[start:start + chunk], strict=True)]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), data.PAD, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row)
-            attention[i, :len(row)] = 1
-        ids, attention = ids.to(device), attention.to(device)
-        with context:
-            logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
-        logits = logits[:, :-1].float() / temperature
+    for batch_prompts, batch_completions, ids, logits in data.scored_chunks(model, prompts, completions, temperature,
+                                                                             chunk, device, autocast):
         lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         mass = kept_log_mass(logits, top_k=top_k)
-        for i, prompt in enumerate(prompts[start:start + chunk]):
-            n = len(completions[start + i])
-            logprobs += lp[i, len(prompt) - 1:len(prompt) - 1 + n].tolist()
-            masses += mass[i, len(prompt) - 1:len(prompt) - 1 + n].tolist()
+        for i, (prompt, completion) in enumerate(zip(batch_prompts, batch_completions, strict=True)):
+            logprobs += lp[i, len(prompt) - 1:len(prompt) - 1 + len(completion)].tolist()
+            masses += mass[i, len(prompt) - 1:len(prompt) - 1 + len(completion)].tolist()
     return logprobs, masses
 
 

@@ -341,10 +341,10 @@ def sample(model, contexts: list[list[int]], temperature: float, top_p: float, t
 
 # ----------------------------------------------------------------------------------------------------- trainer
 @torch.no_grad()
-def score(model, prompts: list[list[int]], completions: list[list[int]], temperature: float, chunk: int, device: str,
-          autocast: bool = False) -> list[list[float]]:
-    """Trainer logprobs: full forward of prompt+completion, right-padded, ``chunk`` rows at a time, no filtering."""
-    out: list[list[float]] = []
+def scored_chunks(model, prompts: list[list[int]], completions: list[list[int]], temperature: float, chunk: int,
+                  device: str, autocast: bool = False):
+    """Full forwards of prompt+completion, right-padded, ``chunk`` rows at a time: yields each chunk's prompts,
+    completions, token ids (rows × width) and float32 logits at the temperature, predicting ids[:, 1:]."""
     context = torch.autocast(device_type=device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     for start in range(0, len(prompts), chunk):
         batch_prompts, batch_completions = prompts[start:start + chunk], completions[start:start + chunk]
@@ -358,7 +358,17 @@ def score(model, prompts: list[list[int]], completions: list[list[int]], tempera
         ids, attention = ids.to(device), attention.to(device)
         with context:
             logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
-        logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
+        yield batch_prompts, batch_completions, ids, logits[:, :-1].float() / temperature
+
+
+@torch.no_grad()
+def score(model, prompts: list[list[int]], completions: list[list[int]], temperature: float, chunk: int, device: str,
+          autocast: bool = False) -> list[list[float]]:
+    """Trainer logprobs: full forward of prompt+completion, right-padded, ``chunk`` rows at a time, no filtering."""
+    out: list[list[float]] = []
+    for batch_prompts, batch_completions, ids, logits in scored_chunks(model, prompts, completions, temperature, chunk,
+                                                                        device, autocast):
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
         for i, (prompt, completion) in enumerate(zip(batch_prompts, batch_completions, strict=True)):
             out.append(logprobs[i, len(prompt) - 1:len(prompt) - 1 + len(completion)].tolist())
     return out
