@@ -54,7 +54,18 @@ class TransformersRollouts:
 
     @torch.no_grad()
     def _sample(self, contexts: list[list[int]], trainer: Any) -> tuple[list[list[int]], list[list[float]]]:
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        # as TRL generates without vLLM: its unwrapping (gathers ZeRO-3 parameters) and, under FSDP1, the root
+        # unit's parameters gathered first (else a decoder layer's FSDP unit, run first, takes itself for the root
+        # and the next forward of the real root fails: "Non-root FSDP instance's `_is_root` should not have been set")
+        from trl.models import unwrap_model_for_generation
+
+        wrapped = getattr(trainer, "model_wrapped", None)
+        wrapped = trainer.model if wrapped is None else wrapped
+        with (unwrap_model_for_generation(wrapped, trainer.accelerator) as model,
+              trainer._dist.summon_full_params(wrapped, recurse=False)):
+            return self._generate(model, contexts, trainer)
+
+    def _generate(self, model: Any, contexts: list[list[int]], trainer: Any) -> tuple[list[list[int]], list[list[float]]]:
         tokenizer = trainer._tokenizer
         device = trainer.accelerator.device
         width = max(len(ids) for ids in contexts)
