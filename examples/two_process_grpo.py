@@ -7,6 +7,12 @@ needed. Launch with as many processes as you like:
     accelerate launch --multi_gpu --num_processes 2 examples/two_process_grpo.py --out runs/two_process
     python examples/two_process_grpo.py --out runs/one_process --cpu      # one process, for comparison
 
+With ``--top-k 5 --flat --rate 0`` the engine samples a barely trained (high-entropy) policy with top-k = 5 and reports
+logprobs renormalised over those 5 tokens; the guard compares the trainer's on the same support
+(``GuardConfig.compare_on_engine_support``), through a hook on the model's backbone, and the check adds that it
+stayed on for the whole run. Under FSDP (``accelerate launch --use_fsdp --fsdp_version 2 ...``) the hook reads an
+LM head whose weights are sharded outside the forward pass.
+
 Every rank saves what it saw (TRL's batch before and after the guard, rewards, injected rows, the guard's
 report); rank 0 then checks, and writes ``checks.json``:
 
@@ -41,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=0.1, help="share of rollouts corrupted")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is there")
     parser.add_argument("--bf16", action="store_true", help="train in bf16 (GPU)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample with this top_k (0: off)")
+    parser.add_argument("--flat", action="store_true", help="a barely trained policy (5 training steps): high entropy")
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("ROLLOUT_GUARD_CACHE", REPO / ".cache")))
     parser.add_argument("--timeout", type=int, default=180, help="seconds before a stuck collective fails (ddp_timeout)")
     return parser.parse_args(argv)
@@ -59,8 +67,8 @@ def train(args: argparse.Namespace) -> dict:
 
     state = PartialState(cpu=args.cpu)
     with state.main_process_first():
-        model_dir = build_tiny_model(args.cache_dir / "models")
-    recipe = TinyModelRecipe()
+        recipe = TinyModelRecipe(train_steps=5) if args.flat else TinyModelRecipe()
+        model_dir = build_tiny_model(args.cache_dir / "models", recipe)
     rng = random.Random(7)
     dataset = Dataset.from_list([{"prompt": copy_prompt(random_letters(rng, recipe))} for _ in range(512)])
 
@@ -71,23 +79,29 @@ def train(args: argparse.Namespace) -> dict:
         output_dir=str(args.out / "trainer"), max_steps=args.steps, per_device_train_batch_size=args.batch, num_generations=4,
         max_completion_length=12, learning_rate=5e-4, use_vllm=False, use_cpu=args.cpu, bf16=args.bf16, logging_steps=1,
         save_strategy="no", report_to="none", seed=0, disable_tqdm=True, ddp_timeout=args.timeout,
+        top_k=args.top_k,
     )
     rollouts = TransformersRollouts(stale_context_rate=args.rate, seed=3)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=copy_accuracy, args=config, train_dataset=dataset, rollout_func=rollouts)
     guarded = attach_guard(trainer, GuardConfig(output_dir=str(args.out / "rollout_guard"), max_quarantine_share=0.9,
                                                 evidence_samples_per_step=EVIDENCE_SAMPLES), keep_steps=True)
+    support_at_start = guarded.support is not None
     started = time.perf_counter()
     trainer.train()
     kept = guarded.steps
     result = {
         "raw": [step.before for step in kept], "guarded": [step.after for step in kept],
-        "rewards": [step.rewards_per_func for step in kept], "injected": [step.injected for step in kept],
+        "rewards": [step.rewards_per_func for step in kept],
+        "injected": [step.injected if step.injected is not None  # None: nothing injected (--rate 0)
+                     else torch.zeros(step.before["completion_mask"].shape[0], dtype=torch.bool) for step in kept],
         "reports": [{"suspect": step.report.suspect, "quarantined": step.report.quarantined, "metrics": dict(step.report.metrics),
                      "samples": step.report.samples, "reasons": step.report.reasons,
                      "overhead_seconds": step.overhead_seconds, "evidence": step.evidence} for step in kept],
         "process_index": state.process_index, "num_processes": state.num_processes, "device": str(state.device),
         "train_seconds": time.perf_counter() - started, "num_generations": trainer.num_generations,
         "step_time": [row["step_time"] for row in trainer.state.log_history if "step_time" in row],
+        "rate": args.rate, "top_k": args.top_k, "support_at_start": support_at_start, "support_at_end": guarded.support is not None,
+        "guard_failures": guarded.guard.totals.failures, "distributed_type": str(trainer.accelerator.distributed_type),
     }
     torch.save(result, args.out / f"rank{state.process_index}.pt")
     state.wait_for_everyone()
@@ -175,8 +189,13 @@ def check(out: Path, world: int) -> dict:
                 "advantages_match_reference", "normaliser_matches_tokens_left", "one_process_same_verdict", "records_on_main",
                 "full_evidence_for_worst_k"):
         checks[key] = all(row[key] for row in rows)
-    checks["enough_injected"] = sum(row["injected"] for row in rows) >= 3
-    return {"world_size": world, "device": ranks[0]["device"], "checks": checks, "all_passed": all(checks.values()),
+    if ranks[0]["rate"] > 0:
+        checks["enough_injected"] = sum(row["injected"] for row in rows) >= 3
+    checks["no_guard_failures"] = all(r["guard_failures"] == 0 for r in ranks)
+    if ranks[0]["top_k"] > 0:  # the trainer's logprobs compared on the engine's top-k support, every step
+        checks["on_engine_support_throughout"] = all(r["support_at_start"] and r["support_at_end"] for r in ranks)
+    return {"world_size": world, "device": ranks[0]["device"], "distributed_type": ranks[0]["distributed_type"],
+            "top_k": ranks[0]["top_k"], "checks": checks, "all_passed": all(checks.values()),
             "steps": rows, "train_seconds": ranks[0]["train_seconds"], "step_time": ranks[0]["step_time"]}
 
 
