@@ -5,7 +5,9 @@ same tokens.
 The hook's work per completion token: one more LM-head projection (TRL's fused head never keeps the logits) and
 ``kept_log_mass`` (top-k: a ``topk`` of the vocabulary; top-p: a sort of it). Measured: the scoring pass alone and
 with the hook (``rollout_guard.integrations.trl.support.token_log_mass`` on the backbone's hidden states, as the
-adapter's hook runs it), under top_k = 20, top_p = 0.9 and both; peak memory of each. Model: Llama-style, random
+adapter's hook runs it), under top_k = 20, top_p = 0.9 and both; peak memory of each. Next to them, the training
+pass of the same batch (forward with grad through the fused head, backward), so that the hook's share of a step's
+trainer-side compute (scoring + training) is printed too; the step's generation, not run here, only lowers it. Model: Llama-style, random
 weights built here; on CUDA Qwen2.5-1.5B's shape (hidden 1536, 28 layers, MLP 8960, 12/2 heads, vocab 151,936)
 in bf16, on CPU a small one (the ratio is then not a GPU's).
 
@@ -89,9 +91,21 @@ def main() -> None:
                "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}
     seconds, peak = timed(score, args.device, args.repeats)
     results["scoring_pass"] = {"seconds": seconds, "peak_gib": peak}
+
+    def train_pass():
+        model.train()
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+            out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        out.log_probs.float().sum().backward()
+        model.zero_grad(set_to_none=True)
+        model.eval()
+
+    training, training_peak = timed(train_pass, args.device, args.repeats)
+    results["training_pass"] = {"seconds": training, "peak_gib": training_peak}
     print(f"{args.device}: {args.rows} rows × {width} completion tokens, vocab {model.config.vocab_size}, "
           f"hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers")
     print(f"  TRL scoring pass (fused LM head): {1000 * seconds:8.1f} ms, peak {peak:.2f} GiB")
+    print(f"  training pass (forward + backward): {1000 * training:8.1f} ms, peak {training_peak:.2f} GiB")
     for tile in args.tile_elements:
         support.TILE_ELEMENTS = tile
         for name, settings in SETTINGS.items():
@@ -105,10 +119,13 @@ def main() -> None:
             finally:
                 handle.remove()
             extra = with_hook - seconds
+            share = extra / (seconds + training)  # of the trainer-side compute of a step without the hook
             results[f"{name} tile={tile}"] = {"seconds": with_hook, "extra_seconds": extra, "ratio": extra / seconds,
+                                              "share_of_scoring_and_training": share,
                                               "peak_gib": peak_hook, "tile_elements": tile}
             print(f"  + support hook, {name:18s} tile {tile:>10d}: {1000 * with_hook:8.1f} ms (+{1000 * extra:7.1f} ms, "
-                  f"{100 * extra / seconds:5.1f} % of the pass), peak {peak_hook:.2f} GiB")
+                  f"{100 * extra / seconds:5.1f} % of the pass, {100 * share:4.1f} % of scoring + training), "
+                  f"peak {peak_hook:.2f} GiB")
     if args.out:
         with open(args.out, "w") as handle_out:
             json.dump(results, handle_out, indent=1)

@@ -110,7 +110,7 @@ class SupportCapture:
         self.trainer = trainer
         self.settings = settings
         self.calls: list[torch.Tensor] = []
-        self.error: BaseException | None = None  # what failed in the hook (a sharded LM head, an unknown model)
+        self.error: BaseException | None = None  # what failed in the hook (an unknown model, an LM head it cannot call)
 
     @contextlib.contextmanager
     def active(self, first_only: bool = False) -> Iterator[SupportCapture]:

@@ -97,14 +97,14 @@ def test_a_top_k_step_is_judged_on_the_engine_support(high_entropy_model, tmp_pa
 
 
 def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monkeypatch):
-    """A model whose LM head the hook cannot call (sharded, say): the step is judged without the support (the
+    """A model whose LM head the hook cannot call: the step is judged without the support (the
     offset left to the calibration), the failure is counted and reported once, and the option is off from then."""
     import rollout_guard.integrations.trl.support as support
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.trl import attach_guard
 
     def broken(*args, **kwargs):
-        raise RuntimeError("a sharded LM head")
+        raise RuntimeError("an LM head the hook cannot call")
 
     monkeypatch.setattr(support, "token_log_mass", broken)
     trainer = make_trainer(high_entropy_model, tmp_path / "trainer", top_k=5, max_steps=2)
@@ -140,3 +140,31 @@ def test_a_hybrid_model_with_a_logit_multiplier_is_captured_exactly(tiny_model_d
     expected = kept_log_mass(logits, top_k=4)
     assert bool((expected < -0.05).all()), "a real cut on every token"
     torch.testing.assert_close(capture.calls[0], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["root", "head"])
+def test_a_policy_sharded_over_two_processes_is_captured_exactly(high_entropy_model, tmp_path, layout):
+    """FSDP2 over two CPU processes (gloo), as accelerate's FSDP2 plugin shards a policy: outside the forward each
+    process holds about half of the LM head (in the root unit, or in a unit of its own); through TRL's scoring call
+    the hook's log Z still equals an unsharded copy's, and no token falls back. (On one H200, accelerate's FSDP1
+    and FSDP2 plugins ran the whole GRPO loop of ``examples/two_process_grpo.py --top-k 5``:
+    ``benchmarks/results-2026-12-02-fifteenth``.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("sharded_support.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(worker), str(high_entropy_model), str(tmp_path), layout]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for result in results:
+        assert result["error"] is None
+        assert result["local_head_rows"] < result["vocabulary"], "the LM head must really be sharded"
+        assert result["cut"] < -0.05, "top_k = 5 must cut real mass for the check to mean something"
+        assert result["max_difference"] < 1e-4 and result["fell_back"] == 0, result
