@@ -26,8 +26,28 @@ import torch
 
 import rollout_guard.integrations.trl.support as support
 from rollout_guard.integrations.trl.support import logit_transform, token_log_mass
+from rollout_guard.support import kept_log_mass, scaled_logits
 
 SETTINGS = {"top_k=20": (20, 1.0, 0.0), "top_p=0.9": (0, 0.9, 0.0), "top_k=20,top_p=0.9": (20, 0.9, 0.0)}
+
+
+def previous_token_log_mass(hidden, ids, head, scale, softcap, temperature, settings):
+    """The fourteenth session's hook, for comparison: a float32 copy of each tile's logits, scaled in place,
+    ``torch.logsumexp`` over it and :func:`kept_log_mass` of the whole tile (a ``topk`` of float32 logits)."""
+    top_k, top_p, min_p = settings
+    flat, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
+    vocabulary = head.weight.shape[0]
+    tile = max(1, support.TILE_ELEMENTS // vocabulary)
+    masses, own = [], []
+    for start in range(0, flat.shape[0], tile):
+        logits = scaled_logits(head(flat[start : start + tile]), scale, softcap, temperature)
+        total = torch.logsumexp(logits, dim=-1)
+        masses.append(kept_log_mass(logits, top_k=top_k, top_p=top_p, min_p=min_p, total=total))
+        own.append(logits.gather(-1, flat_ids[start : start + tile].unsqueeze(-1)).squeeze(-1) - total)
+    return torch.cat(masses).reshape(ids.shape), torch.cat(own).reshape(ids.shape)
+
+
+IMPLEMENTATIONS = {"now": token_log_mass, "previous": previous_token_log_mass}
 
 
 def build_model(device: str):
@@ -109,23 +129,31 @@ def main() -> None:
     for tile in args.tile_elements:
         support.TILE_ELEMENTS = tile
         for name, settings in SETTINGS.items():
-            def hook(module, hook_args, hook_kwargs, output, settings=settings):
-                hidden = output.last_hidden_state
-                token_log_mass(hidden[:, -width - 1 : -1], ids[:, -width:], head, scale, softcap, 1.0, settings)
+            outputs = {}
+            for implementation, function in IMPLEMENTATIONS.items():
+                def hook(module, hook_args, hook_kwargs, output, settings=settings, function=function,
+                         implementation=implementation):
+                    hidden = output.last_hidden_state
+                    outputs[implementation] = function(hidden[:, -width - 1 : -1], ids[:, -width:], head, scale, softcap,
+                                                       1.0, settings)
 
-            handle = backbone.register_forward_hook(hook, with_kwargs=True)
-            try:
-                with_hook, peak_hook = timed(score, args.device, args.repeats)
-            finally:
-                handle.remove()
-            extra = with_hook - seconds
-            share = extra / (seconds + training)  # of the trainer-side compute of a step without the hook
-            results[f"{name} tile={tile}"] = {"seconds": with_hook, "extra_seconds": extra, "ratio": extra / seconds,
-                                              "share_of_scoring_and_training": share,
-                                              "peak_gib": peak_hook, "tile_elements": tile}
-            print(f"  + support hook, {name:18s} tile {tile:>10d}: {1000 * with_hook:8.1f} ms (+{1000 * extra:7.1f} ms, "
-                  f"{100 * extra / seconds:5.1f} % of the pass, {100 * share:4.1f} % of scoring + training), "
-                  f"peak {peak_hook:.2f} GiB")
+                handle = backbone.register_forward_hook(hook, with_kwargs=True)
+                try:
+                    with_hook, peak_hook = timed(score, args.device, args.repeats)
+                finally:
+                    handle.remove()
+                extra = with_hook - seconds
+                share = extra / (seconds + training)  # of the trainer-side compute of a step without the hook
+                results[f"{name} tile={tile} {implementation}"] = {
+                    "seconds": with_hook, "extra_seconds": extra, "ratio": extra / seconds,
+                    "share_of_scoring_and_training": share, "peak_gib": peak_hook, "tile_elements": tile}
+                print(f"  + support hook ({implementation:8s}), {name:18s} tile {tile:>10d}: {1000 * with_hook:8.1f} ms "
+                      f"(+{1000 * extra:7.1f} ms, {100 * extra / seconds:5.1f} % of the pass, {100 * share:4.1f} % of "
+                      f"scoring + training), peak {peak_hook:.2f} GiB")
+            (mass, own), (mass_before, own_before) = outputs["now"], outputs["previous"]
+            difference = {"log_z": float((mass - mass_before).abs().max()), "own": float((own - own_before).abs().max())}
+            results[f"{name} tile={tile} now-vs-previous"] = difference
+            print(f"    now vs previous: max |Δ log Z| {difference['log_z']:.2e}, max |Δ log p(id)| {difference['own']:.2e}")
     if args.out:
         with open(args.out, "w") as handle_out:
             json.dump(results, handle_out, indent=1)

@@ -224,8 +224,9 @@ class GuardConfig:
     ``trainer − log Z`` (:mod:`rollout_guard.support`), as vLLM's processed logprobs are, instead of calibrating the
     offset ``−log Z`` away. ``Z`` comes from the trainer's own hidden states in the pass that computes its logprobs
     (a hook on the backbone, one more LM-head projection and a ``topk`` of the vocabulary per completion token; no
-    extra forward pass, no host sync; on one H200, 1.5 B-parameter shape, vocabulary 151,936: +81 ms next to TRL's
-    133-ms scoring pass of 16 × 1,024 tokens, ``benchmarks/support_overhead.py``); a token whose recomputed logprob
+    extra forward pass, no host sync; on one H200, 1.5 B-parameter shape, vocabulary 151,936: +45 ms next to TRL's
+    135-ms scoring pass of 16 × 1,024 tokens, 8 % of that pass and the training pass together,
+    ``benchmarks/support_overhead.py``); a token whose recomputed logprob
     differs from TRL's by more than 0.1 nat keeps ``log Z = 0``, and a failure in the hook turns the option off for
     the run (counted in ``guard_failures``). Top-p alone stays with the calibration: its offset is at most
     ``−log top_p`` and its ``log Z`` would need a sort of the vocabulary per token (+296 ms there). The offset varies

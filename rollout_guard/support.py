@@ -13,6 +13,7 @@ Pure math only; computing ``Z`` from a trainer's hidden states without an extra 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,7 +37,10 @@ def kept_log_mass(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     (a tied token's mass is the k-th one's, ≲ 1/k of the kept mass).
 
     Args:
-        logits: ``(..., V)`` logits at the sampling temperature (any float dtype; computed in float32).
+        logits: ``(..., V)`` logits at the sampling temperature (any float dtype; computed in float32). With
+            ``top_k > 0`` and ``total`` given, the largest ``min(top_k + TIES, V)`` of them suffice (in any order):
+            every rule then acts on those alone (what :func:`rollout_guard.integrations.trl.support.token_log_mass`
+            passes, from a ``topk`` of the LM head's own output).
         top_k: keep the k most likely tokens; 0 (or ≥ V) keeps all.
         top_p: keep the smallest most-likely set holding at least this mass; 1.0 keeps all.
         min_p: keep tokens at least this fraction of the most likely one's probability; 0.0 keeps all.
@@ -87,3 +91,96 @@ def kept_log_mass(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     if ties is not None:
         kept = torch.logaddexp(kept, ties.squeeze(-1))
     return kept - total
+
+
+def scaled_logits(raw: torch.Tensor, scale: float = 1.0, softcap: float | None = None,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """The logits at the sampling temperature from an LM head's output ``z``, in float32:
+
+    .. math:: \\ell = \\frac{c \\tanh(s z / c)}{T}\\quad(\\text{without soft-cap: } s z / T)
+
+    with ``s`` = ``scale`` (``logit_scale``, ``lm_head_multiplier``, ...), ``c`` = ``softcap``
+    (``final_logit_softcapping``) and ``T`` = ``temperature``: a monotone map, so the largest ``z`` are the largest
+    logits and a ``topk`` of ``z`` (bf16, half the bytes) selects what a ``topk`` of the logits would.
+
+    Args:
+        raw: ``(..., V)`` the head's output, any float dtype.
+
+    Returns:
+        ``(..., V)`` float32 (a new tensor).
+
+    >>> [round(v, 4) for v in scaled_logits(torch.tensor([0.0, 2.0, 60.0]), 0.5, softcap=30.0, temperature=0.5).tolist()]
+    [0.0, 1.9993, 45.6957]
+    """
+    logits = raw.float()  # a copy when raw is not float32; otherwise cloned below before the in-place ops
+    if logits.data_ptr() == raw.data_ptr():
+        logits = logits.clone()
+    if scale != 1.0:
+        logits.mul_(scale)
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+HEAD_BLOCK = 4096  # vocabulary entries per step of the kernel's loop
+HEAD_WARPS = 8
+
+
+def _kernel_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _head_kernel():
+    """Imported on first use (so that ``TRITON_INTERPRET=1`` set before the first call is honoured)."""
+    from rollout_guard._support_kernel import head_logsumexp_rows
+
+    return head_logsumexp_rows
+
+
+def head_logsumexp(raw: torch.Tensor, ids: torch.Tensor, scale: float = 1.0, softcap: float | None = None,
+                   temperature: float = 1.0, kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of an LM head's output: ``logsumexp`` of its :func:`scaled_logits` and the log-probability of
+    ``ids`` under them,
+
+    .. math:: \\log S = \\log \\sum_v e^{\\ell_v}, \\qquad \\log p(\\textit{id}) = \\ell_{\\textit{id}} - \\log S
+
+    On CUDA with Triton: one pass over ``raw`` per row (a running max and sum, Milakov & Gimelshein's online
+    softmax), with no float32 copy of the logits (the torch path makes one, then reads it twice); elsewhere, or
+    with ``kernel=False``, :func:`scaled_logits` and ``torch.logsumexp``. ``kernel=True`` forces the kernel (on the
+    CPU only under ``TRITON_INTERPRET=1``, as the tests run it).
+
+    Args:
+        raw: ``(R, V)`` the head's output, any float dtype; rows contiguous.
+        ids: ``(R,)`` int64 token ids in ``[0, V)``.
+
+    Returns:
+        ``(log S, log p(id))``, both ``(R,)`` float32.
+
+    >>> raw = torch.tensor([[0.0, 1.0, 2.0], [3.0, 3.0, 3.0]])
+    >>> total, own = head_logsumexp(raw, torch.tensor([2, 0]), kernel=False)
+    >>> [round(v, 4) for v in total.tolist()], [round(v, 4) for v in own.exp().tolist()]
+    ([2.4076, 4.0986], [0.6652, 0.3333])
+    """
+    if kernel is None:
+        kernel = raw.is_cuda and _kernel_available()
+    if not kernel:
+        logits = scaled_logits(raw, scale, softcap, temperature)
+        total = torch.logsumexp(logits, dim=-1)
+        return total, logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - total
+    rows, vocabulary = raw.shape
+    if raw.stride(-1) != 1:
+        raw = raw.contiguous()
+    total = torch.empty(rows, dtype=torch.float32, device=raw.device)
+    own = torch.empty(rows, dtype=torch.float32, device=raw.device)
+    if rows:
+        _head_kernel()[(rows,)](raw, ids.contiguous(), total, own, vocabulary, raw.stride(0), float(scale),
+                                float(softcap) if softcap is not None else 1.0, 1.0 / float(temperature),
+                                SOFTCAP=softcap is not None, BLOCK=HEAD_BLOCK, num_warps=HEAD_WARPS)
+    return total, own

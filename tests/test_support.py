@@ -70,3 +70,76 @@ def test_bf16_logits_with_ties_at_the_kth_match_vllm(top_k):
     assert int(((logits == kth).sum(dim=-1) > 1).sum()) > 10, "the case must have ties at the k-th logit"
     torch.testing.assert_close(kept_log_mass(logits, top_k=top_k), vllm_kept_log_mass(logits, top_k, 1.0, 0.0),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(5, 1.0, 0.0), (20, 0.9, 0.0), (5, 0.9, 0.05), (3, 1.0, 0.2)])
+def test_the_top_values_of_the_head_output_give_the_full_logits_mass(top_k, top_p, min_p):
+    """What the TRL hook passes: a ``topk`` of the head's raw output (bf16 ties included), scaled afterwards, with
+    the full logsumexp given, equals kept_log_mass of the full scaled logits (the map is monotone)."""
+    from rollout_guard.support import TIES, head_logsumexp, scaled_logits
+
+    generator = torch.Generator().manual_seed(top_k)
+    raw = (torch.randn(64, 300, generator=generator) * 3).bfloat16()
+    raw[:8, :12] = raw[:8, :1]  # ties at the top, crossing the k-th place
+    full = scaled_logits(raw, 0.37, softcap=5.0, temperature=0.7)
+    expected = kept_log_mass(full, top_k=top_k, top_p=top_p, min_p=min_p)
+    total, _ = head_logsumexp(raw, torch.zeros(64, dtype=torch.long), 0.37, softcap=5.0, temperature=0.7, kernel=False)
+    top = scaled_logits(raw.topk(top_k + TIES, dim=-1).values, 0.37, softcap=5.0, temperature=0.7)
+    torch.testing.assert_close(kept_log_mass(top, top_k=top_k, top_p=top_p, min_p=min_p, total=total), expected,
+                               atol=1e-5, rtol=0)
+    assert float(expected.max()) < -0.01  # a real cut
+
+
+KERNEL_CASES = {  # name: (rows, vocabulary, dtype, scale, softcap, temperature, shift)
+    # two blocks, the second partly outside the vocabulary; logits far below 0, where a lane outside that counted
+    # as a logit of 0 would dominate the sum
+    "plain": (4, 5000, torch.float32, 1.0, None, 1.0, -40.0),
+    "scaled": (3, 4096, torch.float16, 0.37, None, 0.7, 0.0),
+    "softcap": (5, 9000, torch.float32, 2.0, 30.0, 1.3, -10.0),  # logits past the cap saturate
+}
+
+
+def _kernel_cases(names: list[str]) -> int:
+    from rollout_guard.support import head_logsumexp
+
+    failed = 0
+    for name in names:
+        rows, vocabulary, dtype, scale, softcap, temperature, shift = KERNEL_CASES[name]
+        generator = torch.Generator().manual_seed(rows)
+        raw = (torch.randn(rows, vocabulary, generator=generator) * 8 + shift).to(dtype)
+        ids = torch.randint(0, vocabulary, (rows,), generator=generator)
+        ids[0] = vocabulary - 1  # the last entry, in the partial block
+        expected = head_logsumexp(raw, ids, scale, softcap, temperature, kernel=False)
+        got = head_logsumexp(raw, ids, scale, softcap, temperature, kernel=True)
+        try:
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-6)
+        except AssertionError as error:
+            failed += 1
+            print(f"FAILED {name}: {error}", flush=True)
+        else:
+            print(f"ok {name}", flush=True)
+    return failed
+
+
+def test_the_head_kernel_matches_torch_in_the_interpreter():
+    """The Triton pass (online max and sum over the vocabulary) against scaled_logits + torch.logsumexp, in
+    Triton's interpreter on the CPU (the device run compares it on a GPU, bf16 included)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, __file__, *KERNEL_CASES], capture_output=True, text=True, timeout=600, env=env,
+                         cwd=root)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("ok ") == len(KERNEL_CASES), run.stdout
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(1 if _kernel_cases(sys.argv[1:]) else 0)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rollout_guard.integrations.trl.sampling import _setting_reader, support_changes
-from rollout_guard.support import kept_log_mass
+from rollout_guard.support import TIES, head_logsumexp, kept_log_mass, scaled_logits
 
 AGREEMENT = 0.1  # nats: the recomputed logprob of the sampled token must be this close to TRL's (bf16 logits: ~0.01)
 TILE_ELEMENTS = 1 << 25  # logits per tile (128 MiB in float32): tokens per tile = this // vocabulary size
@@ -79,24 +79,26 @@ def token_log_mass(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Modul
                    temperature: float, settings: tuple[int, float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position of ``hidden`` (B, K, H) predicting ``ids`` (B, K): ``(log Z, log p(id))``, both (B, K) float32,
     from ``head(hidden)`` scaled, soft-capped and divided by the temperature as TRL does, in tiles of at most
-    :data:`TILE_ELEMENTS` logits."""
+    :data:`TILE_ELEMENTS` logits. Per tile: :func:`head_logsumexp` (on CUDA one Triton pass over the head's output,
+    no float32 copy) and, under top-k, a ``topk`` of the head's own output (bf16 on a bf16 model: the logits' map is
+    monotone, :func:`scaled_logits`) whose k + :data:`~rollout_guard.support.TIES` values alone go through
+    :func:`kept_log_mass`; min-p alone scales the whole tile."""
     top_k, top_p, min_p = settings
     flat, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
     vocabulary = head.weight.shape[0]
     tile = max(1, TILE_ELEMENTS // vocabulary)
     masses, own = [], []
     for start in range(0, flat.shape[0], tile):
-        logits = head(flat[start : start + tile]).float()
-        if scale != 1.0:
-            logits.mul_(scale)
-        if softcap is not None:
-            logits.div_(softcap).tanh_().mul_(softcap)
-        if temperature != 1.0:
-            logits.div_(temperature)
-        total = torch.logsumexp(logits, dim=-1)
+        raw = head(flat[start : start + tile])
+        chosen = flat_ids[start : start + tile].clamp(0, vocabulary - 1)
+        total, own_logprob = head_logsumexp(raw, chosen, scale, softcap, temperature)
+        if 0 < top_k < vocabulary:
+            top = raw.topk(min(top_k + TIES, vocabulary), dim=-1).values
+            logits = scaled_logits(top, scale, softcap, temperature)
+        else:
+            logits = scaled_logits(raw, scale, softcap, temperature)
         masses.append(kept_log_mass(logits, top_k=top_k, top_p=top_p, min_p=min_p, total=total))
-        chosen = flat_ids[start : start + tile].clamp(0, vocabulary - 1).unsqueeze(-1)
-        own.append(logits.gather(-1, chosen).squeeze(-1) - total)
+        own.append(own_logprob)
     shape = ids.shape
     return torch.cat(masses).reshape(shape), torch.cat(own).reshape(shape)
 
