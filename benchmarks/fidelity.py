@@ -31,7 +31,7 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
-from benchmarks.fidelity_kit.rollouts import Rollouts, _list_column, cat, from_table, pad_lists, read_tables  # noqa: E402
+from benchmarks.fidelity_kit.rollouts import Rollouts, cat, from_table, padded_column, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
 from rollout_guard.config import GuardConfig  # noqa: E402
 from rollout_guard.errors import GuardConfigError  # noqa: E402
@@ -101,7 +101,7 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False) -> 
         rows = from_table(part, name)
         if not (same_support and top_k > 0):  # as the TRL adapter: top-p alone is left to the calibration
             return rows
-        raw, _ = pad_lists(*_list_column(part, "engine_raw_logprobs"))
+        raw, _ = padded_column(part, "engine_raw_logprobs")
         return noise.on_engine_support(rows, raw[:, : rows.mask.shape[1]], support_generator)
     out = []
     for source in sorted(set(table.column("source").to_pylist())):

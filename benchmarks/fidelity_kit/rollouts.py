@@ -91,6 +91,12 @@ def _list_column(table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return offsets - offsets[0], values[offsets[0] : offsets[-1]]
 
 
+def padded_column(table, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One list column of a benchmark table (e.g. ``engine_raw_logprobs``) as a (B, T) padded float32 tensor and
+    its (B, T) mask, rows aligned with :func:`from_table`'s."""
+    return pad_lists(*_list_column(table, name))
+
+
 def from_table(table, condition: str = "") -> Rollouts:
     """Padded rollouts from a pyarrow table in the benchmark's format."""
     offsets, engine_values = _list_column(table, "engine_logprobs")
