@@ -7,11 +7,9 @@ from block to block). ``benchmarks/statistics_speed.py`` checks the compiled ker
 
 from __future__ import annotations
 
+import functools
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch
 from rollout_guard import GuardConfig, RolloutEvidence
 from rollout_guard.packet import AGGREGATES, PacketLayout, reference_packet
 from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS, Thresholds
+from tests.triton_interpreter import check_in_interpreter, run_cases
 
 pytest.importorskip("triton")  # installed with the `cpu` extra (vLLM's dependency) and on CUDA machines
 
@@ -257,30 +256,12 @@ CASES = {
 }
 
 
-def run_cases(names: list[str]) -> int:
-    """In a process started with TRITON_INTERPRET=1 (Triton reads it when it is first imported)."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from rollout_guard.fused_statistics import fused_packet
-
-    failed = 0
-    for name in names:
-        try:
-            CASES[name](fused_packet)
-        except Exception as error:  # noqa: BLE001 - report every case
-            failed += 1
-            print(f"FAILED {name}: {type(error).__name__}: {error}", flush=True)
-        else:
-            print(f"ok {name}", flush=True)
-    return failed
-
-
 def test_fused_kernel_matches_the_reference_in_the_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, __file__, *CASES], capture_output=True, text=True, timeout=900, env=env, cwd=root)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok ") == len(CASES), run.stdout
+    check_in_interpreter(__file__, list(CASES))
 
 
 if __name__ == "__main__":
-    sys.exit(1 if run_cases(sys.argv[1:]) else 0)
+    from rollout_guard.fused_statistics import fused_packet  # after TRITON_INTERPRET=1 (the parent sets it)
+
+    sys.exit(1 if run_cases({name: functools.partial(case, fused_packet) for name, case in CASES.items()}, sys.argv[1:])
+             else 0)

@@ -99,47 +99,33 @@ KERNEL_CASES = {  # name: (rows, vocabulary, dtype, scale, softcap, temperature,
 }
 
 
-def _kernel_cases(names: list[str]) -> int:
+def _kernel_case(name: str) -> None:
     from rollout_guard.support import head_logsumexp
 
-    failed = 0
-    for name in names:
-        rows, vocabulary, dtype, scale, softcap, temperature, shift = KERNEL_CASES[name]
-        generator = torch.Generator().manual_seed(rows)
-        raw = (torch.randn(rows, vocabulary, generator=generator) * 8 + shift).to(dtype)
-        ids = torch.randint(0, vocabulary, (rows,), generator=generator)
-        ids[0] = vocabulary - 1  # the last entry, in the partial block
-        expected = head_logsumexp(raw, ids, scale, softcap, temperature, kernel=False)
-        got = head_logsumexp(raw, ids, scale, softcap, temperature, kernel=True)
-        try:
-            for a, b in zip(got, expected, strict=True):
-                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-6)
-        except AssertionError as error:
-            failed += 1
-            print(f"FAILED {name}: {error}", flush=True)
-        else:
-            print(f"ok {name}", flush=True)
-    return failed
+    rows, vocabulary, dtype, scale, softcap, temperature, shift = KERNEL_CASES[name]
+    generator = torch.Generator().manual_seed(rows)
+    raw = (torch.randn(rows, vocabulary, generator=generator) * 8 + shift).to(dtype)
+    ids = torch.randint(0, vocabulary, (rows,), generator=generator)
+    ids[0] = vocabulary - 1  # the last entry, in the partial block
+    expected = head_logsumexp(raw, ids, scale, softcap, temperature, kernel=False)
+    got = head_logsumexp(raw, ids, scale, softcap, temperature, kernel=True)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-6)
 
 
 def test_the_head_kernel_matches_torch_in_the_interpreter():
     """The Triton pass (online max and sum over the vocabulary) against scaled_logits + torch.logsumexp, in
     Triton's interpreter on the CPU (the device run compares it on a GPU, bf16 included)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.triton_interpreter import check_in_interpreter
 
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, __file__, *KERNEL_CASES], capture_output=True, text=True, timeout=600, env=env,
-                         cwd=root)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok ") == len(KERNEL_CASES), run.stdout
+    check_in_interpreter(__file__, list(KERNEL_CASES), timeout=600)
 
 
 if __name__ == "__main__":
+    import functools
     import sys
 
-    sys.exit(1 if _kernel_cases(sys.argv[1:]) else 0)
+    from tests.triton_interpreter import run_cases
+
+    sys.exit(1 if run_cases({name: functools.partial(_kernel_case, name) for name in KERNEL_CASES}, sys.argv[1:]) else 0)
