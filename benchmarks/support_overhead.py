@@ -5,9 +5,10 @@ same tokens.
 The hook's work per completion token: one more LM-head projection (TRL's fused head never keeps the logits) and
 ``kept_log_mass`` (top-k: a ``topk`` of the vocabulary; top-p: a sort of it). Measured: the scoring pass alone and
 with the hook (``rollout_guard.integrations.trl.support.token_log_mass`` on the backbone's hidden states, as the
-adapter's hook runs it), under top_k = 20, top_p = 0.9 and both; peak memory of each. Next to them, the training
-pass of the same batch (forward with grad through the fused head, backward), so that the hook's share of a step's
-trainer-side compute (scoring + training) is printed too; the step's generation, not run here, only lowers it. Model: Llama-style, random
+adapter's hook runs it), under top_k = 20, top_p = 0.9 and both; peak memory of each; the fourteenth session's
+hook beside today's, with the largest difference of their outputs. Next to them, the training pass of the same batch
+(forward with grad through the fused head, backward), so that the hook's share of a step's trainer-side compute
+(scoring + training) is printed too; the step's generation, not run here, only lowers it. Model: Llama-style, random
 weights built here; on CUDA Qwen2.5-1.5B's shape (hidden 1536, 28 layers, MLP 8960, 12/2 heads, vocab 151,936)
 in bf16, on CPU a small one (the ratio is then not a GPU's).
 
@@ -134,8 +135,8 @@ def main() -> None:
                 def hook(module, hook_args, hook_kwargs, output, settings=settings, function=function,
                          implementation=implementation):
                     hidden = output.last_hidden_state
-                    outputs[implementation] = function(hidden[:, -width - 1 : -1], ids[:, -width:], head, scale, softcap,
-                                                       1.0, settings)
+                    outputs[implementation] = function(hidden[:, -width - 1 : -1], ids[:, -width:], head, scale,
+                                                       softcap, 1.0, settings)
 
                 handle = backbone.register_forward_hook(hook, with_kwargs=True)
                 try:
@@ -147,13 +148,15 @@ def main() -> None:
                 results[f"{name} tile={tile} {implementation}"] = {
                     "seconds": with_hook, "extra_seconds": extra, "ratio": extra / seconds,
                     "share_of_scoring_and_training": share, "peak_gib": peak_hook, "tile_elements": tile}
-                print(f"  + support hook ({implementation:8s}), {name:18s} tile {tile:>10d}: {1000 * with_hook:8.1f} ms "
-                      f"(+{1000 * extra:7.1f} ms, {100 * extra / seconds:5.1f} % of the pass, {100 * share:4.1f} % of "
-                      f"scoring + training), peak {peak_hook:.2f} GiB")
+                print(f"  + support hook ({implementation:8s}), {name:18s} tile {tile:>10d}: "
+                      f"{1000 * with_hook:8.1f} ms (+{1000 * extra:7.1f} ms, {100 * extra / seconds:5.1f} % of the pass, "
+                      f"{100 * share:4.1f} % of scoring + training), peak {peak_hook:.2f} GiB")
             (mass, own), (mass_before, own_before) = outputs["now"], outputs["previous"]
-            difference = {"log_z": float((mass - mass_before).abs().max()), "own": float((own - own_before).abs().max())}
+            difference = {"log_z": float((mass - mass_before).abs().max()),
+                          "own": float((own - own_before).abs().max())}
             results[f"{name} tile={tile} now-vs-previous"] = difference
-            print(f"    now vs previous: max |Δ log Z| {difference['log_z']:.2e}, max |Δ log p(id)| {difference['own']:.2e}")
+            print(f"    now vs previous: max |Δ log Z| {difference['log_z']:.2e}, "
+                  f"max |Δ log p(id)| {difference['own']:.2e}")
     if args.out:
         with open(args.out, "w") as handle_out:
             json.dump(results, handle_out, indent=1)

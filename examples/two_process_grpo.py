@@ -100,7 +100,8 @@ def train(args: argparse.Namespace) -> dict:
         "process_index": state.process_index, "num_processes": state.num_processes, "device": str(state.device),
         "train_seconds": time.perf_counter() - started, "num_generations": trainer.num_generations,
         "step_time": [row["step_time"] for row in trainer.state.log_history if "step_time" in row],
-        "rate": args.rate, "top_k": args.top_k, "support_at_start": support_at_start, "support_at_end": guarded.support is not None,
+        "rate": args.rate, "top_k": args.top_k,
+        "support_at_start": support_at_start, "support_at_end": guarded.support is not None,
         "guard_failures": guarded.guard.totals.failures, "distributed_type": str(trainer.accelerator.distributed_type),
     }
     torch.save(result, args.out / f"rank{state.process_index}.pt")

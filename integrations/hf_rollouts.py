@@ -65,7 +65,8 @@ class TransformersRollouts:
               trainer._dist.summon_full_params(wrapped, recurse=False)):
             return self._generate(model, contexts, trainer)
 
-    def _generate(self, model: Any, contexts: list[list[int]], trainer: Any) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(self, model: Any, contexts: list[list[int]],
+                  trainer: Any) -> tuple[list[list[int]], list[list[float]]]:
         tokenizer = trainer._tokenizer
         device = trainer.accelerator.device
         width = max(len(ids) for ids in contexts)

@@ -109,7 +109,8 @@ def scaled_logits(raw: torch.Tensor, scale: float = 1.0, softcap: float | None =
     Returns:
         ``(..., V)`` float32 (a new tensor).
 
-    >>> [round(v, 4) for v in scaled_logits(torch.tensor([0.0, 2.0, 60.0]), 0.5, softcap=30.0, temperature=0.5).tolist()]
+    >>> logits = scaled_logits(torch.tensor([0.0, 2.0, 60.0]), 0.5, softcap=30.0, temperature=0.5)
+    >>> [round(v, 4) for v in logits.tolist()]
     [0.0, 1.9993, 45.6957]
     """
     logits = raw.float()  # a copy when raw is not float32; otherwise cloned below before the in-place ops

@@ -128,4 +128,5 @@ if __name__ == "__main__":
 
     from tests.triton_interpreter import run_cases
 
-    sys.exit(1 if run_cases({name: functools.partial(_kernel_case, name) for name in KERNEL_CASES}, sys.argv[1:]) else 0)
+    cases = {name: functools.partial(_kernel_case, name) for name in KERNEL_CASES}
+    sys.exit(1 if run_cases(cases, sys.argv[1:]) else 0)

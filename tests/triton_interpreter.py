@@ -30,8 +30,9 @@ def run_cases(cases: dict[str, Callable[[], None]], names: Iterable[str]) -> int
 
 def check_in_interpreter(module_file: str, names: list[str], timeout: int = 900) -> None:
     """In the parent: run ``module_file``'s ``__main__`` with the case names in the interpreter; assert all ok."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, module_file, *names], capture_output=True, text=True, timeout=timeout, env=env,
-                         cwd=ROOT)
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    run = subprocess.run([sys.executable, module_file, *names], capture_output=True, text=True, timeout=timeout,
+                         env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("ok ") == len(names), run.stdout

@@ -26,9 +26,10 @@ def test_two_cpu_processes_compare_on_the_engine_top_k_support(tmp_path):
     """A barely trained policy sampled with top_k = 5, no corruption: each process's hook (under DDP) gives the
     trainer's logprobs on the engine's support every step, so the clean samples agree to fp32 noise (off the
     support they differ by ≈ 1 nat, the log of the mass outside the top 5) and none is flagged."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE), "--out", str(tmp_path), "--cpu", "--steps", "3",
-               "--timeout", "120", "--top-k", "5", "--flat", "--rate", "0"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE),
+               "--out", str(tmp_path), "--cpu", "--steps", "3", "--timeout", "120",
+               "--top-k", "5", "--flat", "--rate", "0"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     summary = json.loads((tmp_path / "checks.json").read_text())
