@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rollout_guard.store import read_records
+from tests.processes import run_group
 
 SCENARIO_SCRIPT = Path(__file__).with_name("grpo_scenario.py")
 
@@ -40,7 +41,7 @@ def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4, e
     ]
     command = [*launcher, str(SCENARIO_SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps), *extra]
     with log_path.open("w") as log:
-        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=900, env=env)
+        completed = run_group(command, timeout=900, stdout=log, stderr=subprocess.STDOUT, env=env)
     log_text = log_path.read_text()
     assert completed.returncode == 0, f"scenario {name} failed:\n{log_text[-6000:]}"
     if processes == 1:
@@ -488,8 +489,8 @@ def test_two_processes_agree_and_match_one_process_on_the_same_data(tmp_path_fac
 @pytest.mark.trl_range
 def test_a_trl_whose_advantages_differ_from_the_replica_stops_at_the_first_step(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("replica_mismatch")
-    done = subprocess.run([sys.executable, str(SCENARIO_SCRIPT), "replica_mismatch", "--out", str(out), "--model", str(tiny_model_dir)],
-                          capture_output=True, text=True, timeout=900)
+    done = run_group([sys.executable, str(SCENARIO_SCRIPT), "replica_mismatch", "--out", str(out), "--model", str(tiny_model_dir)],
+                     timeout=900, capture_output=True, text=True)
     assert done.returncode != 0
     assert "TRL's advantages differ from rollout_guard's replica" in done.stderr and "at step 1 on process(es) [0]" in done.stderr
     assert f"installed trl {importlib.metadata.version('trl')}; rollout_guard supports trl 1.14–1.16" in done.stderr

@@ -18,6 +18,7 @@ import torch
 
 from rollout_guard.action import group_relative_advantages
 from rollout_guard.store import read_records
+from tests.processes import run_group
 
 SCRIPT = Path(__file__).with_name("trl_matrix.py")
 
@@ -30,7 +31,7 @@ def run_matrix(name: str, out: Path, model_dir: Path, steps: int, processes: int
     ]
     command = [*launcher, str(SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps)]
     with (out / "run.log").open("w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=900, env=env)
+        done = run_group(command, timeout=900, stdout=log, stderr=subprocess.STDOUT, env=env)
     return done.returncode, (out / "run.log").read_text()
 
 

@@ -151,16 +151,17 @@ def test_a_policy_sharded_over_two_processes_is_captured_exactly(high_entropy_mo
     ``benchmarks/results-2026-12-02-fifteenth``.)"""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
+
+    from tests.processes import run_group
 
     worker = Path(__file__).with_name("sharded_support.py")
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(worker), str(high_entropy_model), str(tmp_path), layout]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = run_group(command, timeout=300, capture_output=True, text=True, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for result in results:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.processes import run_group
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "two_process_grpo.py"
 
@@ -14,7 +15,7 @@ def test_two_cpu_processes_with_transformers_rollouts(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE), "--out", str(tmp_path), "--cpu", "--steps", "4",
                "--timeout", "120"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = run_group(command, timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     summary = json.loads((tmp_path / "checks.json").read_text())
     assert summary["world_size"] == 2 and summary["all_passed"], summary["checks"]
@@ -30,7 +31,7 @@ def test_two_cpu_processes_compare_on_the_engine_top_k_support(tmp_path):
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE),
                "--out", str(tmp_path), "--cpu", "--steps", "3", "--timeout", "120",
                "--top-k", "5", "--flat", "--rate", "0"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = run_group(command, timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     summary = json.loads((tmp_path / "checks.json").read_text())
     assert summary["world_size"] == 2 and summary["top_k"] == 5 and summary["all_passed"], summary["checks"]
