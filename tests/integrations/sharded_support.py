@@ -3,8 +3,8 @@
 Each process builds a real TRL GRPOTrainer (CPU, gloo), shards its policy with FSDP2 (``fully_shard`` on every
 decoder layer, optionally on the LM head, then on the root: the layout accelerate's FSDP2 plugin makes) so that
 outside a forward pass every process holds half of each weight, and scores the same tokens through TRL's own
-``_get_per_token_logps_and_entropies`` with the support capture active. Rank 0 writes the largest difference to the
-log-mass of an unsharded copy's full logits, and how many tokens fell back.
+``_get_per_token_logps_and_entropies`` with the support capture active. Each rank writes (``rank<r>.json``) the
+largest difference to the log-mass of an unsharded copy's full logits, and how many tokens fell back.
 """
 
 from __future__ import annotations
