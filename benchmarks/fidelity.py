@@ -144,11 +144,16 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False) -> 
     return out
 
 
-def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator) -> dict[str, Rollouts]:
+def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator,
+                     sources: dict[str, torch.Tensor] | None = None) -> dict[str, Rollouts]:
+    """``count`` faulty rows per synthetic fault kind, each made from a clean row drawn at random; ``sources``, if
+    given, receives each kind's (count,) indices of those clean rows."""
     pools = {}
     for name, function in zoo.SYNTHETIC_FAULTS.items():
         index = torch.randint(0, len(clean), (count,), generator=generator)
         pools[name] = function(clean.rows(index), generator)
+        if sources is not None:
+            sources[name] = index
     return pools
 
 

@@ -6,13 +6,28 @@ For each noise condition of ``benchmarks/fidelity.py`` (same data, same seed, sa
 .. math:: s = -\\ln \\frac{1 + \\#\\{\\text{clean tokens in the same cell with } |d'| \\ge |d|\\}}{1 + N}
 
 with the cell the token's (engine logprob bin, trainer logprob bin, sign of d) — bins at −6, −3, −1.5, −0.5
-nats — and N all clean tokens of the condition. A sample scores ``A = max s`` (its rarest token), ``B = Σ
-relu(s − ln 100)`` and ``C = Σ relu(s − ln 1000)`` (many rare tokens). Thresholds are set *with hindsight* on
-the condition's clean samples so that at most 0.1 % of them score above (one score alone, or two at 0.05 %
-each), and the best recall over those choices is reported.
+nats — and N all clean tokens of the condition. A sample is scored against the clean tokens of the *other* rows:
+a clean sample's own tokens, and those of the clean row a synthetic fault was made from, are left out of the
+count, as a fresh sample's would not be in it. A token past every such clean |d| of its cell scores by how far:
 
-This is optimistic on purpose: the clean distribution is known in full before the first step, estimated on the
-very samples it is then judged on, the thresholds see the labels, and no fault ever feeds it. A guard judges
+.. math:: s = \ln(1 + N) + \frac{|d| - m}{\beta}
+
+with m the largest clean |d| of the cell below it and β the cell's exponential tail scale (the mean excess of
+its 20 largest |d| over the 21st). A sample scores ``A = max s`` (its rarest token), ``B = Σ relu(s − ln 100)``
+and ``C = Σ relu(s − ln 1000)`` (many rare tokens). Thresholds are set *with hindsight* on the condition's clean
+samples so that at most 0.1 % of them score above (one score alone, or two at 0.05 % each), and the best recall
+over those choices is reported.
+
+Why out of sample (sixteenth session): scored against its own tokens too, a clean row's rarest token is never
+rarer than one in N/2 while a fault's token past a sparse cell's clean maximum, by any margin, is one in N; fresh
+rows drawn from the clean rows' own distribution then scored as faults 9 times as often as the 0.1 % allowed
+(``tests/test_separability.py``), and on the benchmark that in-sample bound reached 99.9 % in 197 cells where this
+one reaches it in 171 (both are in the table, out of sample / in sample). Left out of its own row alone, without the
+tail past the maximum, every clean row that holds a cell's largest |d| scores as high as any fault, and nothing
+sparse is separable (68 cells).
+
+This is still optimistic: the clean distribution is known in full before the first step, the tail scale is read
+on all clean rows, the thresholds see the labels, and no fault ever feeds it. A guard judges
 online, learning the noise from a stream in which missed faults sit. So the bound says where the goal is *not*
 out of reach of per-token evidence (bound ≥ 99.9 %): a guard below it there loses to its own online estimate,
 not to the data. It is not an upper bound on every detector: rarity ignores direction and the order of tokens,
@@ -40,6 +55,7 @@ from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL  # noqa: E402
 
 EDGES = torch.tensor([-6.0, -3.0, -1.5, -0.5])  # nats, for both sides' logprob bins
+TAIL_TOKENS = 20  # the largest clean |d| of a cell whose mean excess is its exponential tail's scale
 app = typer.Typer(add_completion=False)
 
 
@@ -58,27 +74,62 @@ def _cells(rollouts: Rollouts, trainer_bins: bool = True
     return compared, nonfinite, cell, d.abs()
 
 
+def _at_least_in_row(cell: torch.Tensor, size: torch.Tensor, other_compared: torch.Tensor, other_cell: torch.Tensor,
+                     other_size: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+    """(B, T) int64: for each token of row i, the compared tokens of ``other`` row i in the same cell with
+    |d'| ≥ |d| (|d| capped at 999 nats, as :class:`Rarity` keys them). Rows by chunks of ``chunk``: (chunk, T, T')
+    comparisons."""
+    size, other_size = size.clamp(max=999.0), other_size.clamp(max=999.0)
+    out = torch.zeros(cell.shape, dtype=torch.long)
+    for low in range(0, cell.shape[0], chunk):
+        rows = slice(low, low + chunk)
+        same = ((cell[rows, :, None] == other_cell[rows, None, :]) & (other_size[rows, None, :] >= size[rows, :, None])
+                & other_compared[rows, None, :])
+        out[rows] = same.sum(dim=-1)
+    return out
+
+
 class Rarity:
     """The clean tokens' |d| per cell, sorted: the joint tail probability of any token, by binary search."""
 
-    def __init__(self, clean: Rollouts, trainer_bins: bool = True) -> None:
-        self.trainer_bins = trainer_bins
+    def __init__(self, clean: Rollouts, trainer_bins: bool = True, extrapolate: bool = True) -> None:
+        self.trainer_bins, self.extrapolate = trainer_bins, extrapolate
         compared, _, cell, size = _cells(clean, trainer_bins)
         self.tokens = int(compared.sum())
         cell, size = cell[compared], size[compared]
         order = torch.argsort(cell.double() * 1e3 + size.double().clamp(max=999.0))  # by cell, then by |d|
         self.cell, self.size = cell[order], size[order]
+        self.scale = torch.ones(2 * (len(EDGES) + 1) ** 2, dtype=torch.float64)  # β per cell, nats
+        for index in self.cell.unique().tolist():
+            values = self.size[self.cell == index].double()
+            top = min(TAIL_TOKENS, len(values) - 1)
+            if top >= 2:  # exponential tail above the (top + 1)-th largest: β = mean excess of the top ones
+                self.scale[index] = (values[-top:] - values[-top - 1]).mean().clamp(min=1e-3)
 
-    def scores(self, rollouts: Rollouts) -> dict[str, torch.Tensor]:
-        """(B,) scores A, B, C of each sample (+inf with a non-finite logprob)."""
+    def scores(self, rollouts: Rollouts, own: Rollouts | None = None) -> dict[str, torch.Tensor]:
+        """(B,) scores A, B, C of each sample (+inf with a non-finite logprob). ``own``: the clean row each sample
+        is (a clean sample) or was made from (a synthetic fault), row for row; its tokens are left out of the
+        sample's rarity, so that every sample is scored against clean tokens that are not its own, as a fresh
+        sample would be."""
         compared, nonfinite, cell, size = _cells(rollouts, self.trainer_bins)
         key = self.cell.double() * 1e3 + self.size.double().clamp(max=999.0)
         # clean tokens of the same cell with |d'| ≥ |d|: end of the cell minus the first position at or above |d|
         end = torch.searchsorted(self.cell.contiguous(), cell.contiguous(), right=True)
         query = cell.double() * 1e3 + size.double().clamp(max=999.0)
         start = torch.searchsorted(key.contiguous(), query.contiguous())
-        at_least = (end - start).clamp(min=0)
-        rarity = torch.where(compared, -torch.log((at_least + 1.0) / (self.tokens + 1.0)), 0.0)
+        at_least = end - start
+        if own is not None:
+            own_compared, _, own_cell, own_size = _cells(own, self.trainer_bins)
+            at_least = at_least - _at_least_in_row(cell, size, own_compared, own_cell, own_size)
+        at_least = at_least.clamp(min=0)
+        rarity = -torch.log((at_least + 1.0) / (self.tokens + 1.0))
+        if self.extrapolate:  # past every other row's token of its cell: the exponential tail, from the one below
+            below = start - 1
+            has_below = below >= torch.searchsorted(self.cell.contiguous(), cell.contiguous())
+            largest_below = torch.where(has_below, self.size[below.clamp(min=0)], 0.0).double()
+            excess = (size.double().clamp(max=999.0) - largest_below).clamp(min=0) / self.scale[cell]
+            rarity = torch.where(at_least == 0, rarity + excess, rarity)
+        rarity = torch.where(compared, rarity, 0.0)
         out = {"A": rarity.amax(dim=-1), "B": (rarity - math.log(100)).clamp(min=0).sum(dim=-1),
                "C": (rarity - math.log(1000)).clamp(min=0).sum(dim=-1)}
         return {name: torch.where(nonfinite, math.inf, value) for name, value in out.items()}
@@ -142,55 +193,70 @@ def main(
     guard = {}
     if guard_results.exists():
         guard = {r["condition"]: r["figures"] for r in json.loads(guard_results.read_text())["results"]}
-    bound: dict[str, dict[str, float]] = {}
+    bound: dict[str, dict[str, float]] = {}  # out of sample (the module's docstring)
+    optimistic: dict[str, dict[str, float]] = {}  # in sample: each row scored against its own tokens too
     price: dict[str, dict[str, float]] = {}  # false share the oracle needs for the goal, where the bound is below
     for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows, same_support):
+        sources: dict[str, torch.Tensor] = {}
         faulty = {key: apply(rows) for key, rows in
-                  {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
+                  {**synthetic_faults(clean, faults_per_condition, generator, sources), **real_faults}.items()}
         clean = apply(clean)  # once, after the faults, as benchmarks/fidelity.py draws it
-        rarity = Rarity(clean, trainer_bins)
-        clean_scores = rarity.scores(clean)
-        scored = {fault: rarity.scores(rows) for fault, rows in sorted(faulty.items())}
+        rarity, in_sample = Rarity(clean, trainer_bins), Rarity(clean, trainer_bins, extrapolate=False)
+        clean_scores, clean_in_sample = rarity.scores(clean, own=clean), in_sample.scores(clean)
+        scored = {fault: rarity.scores(rows, own=clean.rows(sources[fault]) if fault in sources else None)
+                  for fault, rows in sorted(faulty.items())}
         bound[name] = {fault: best_recall(clean_scores, scores) for fault, scores in scored.items()}
+        optimistic[name] = {fault: best_recall(clean_in_sample, in_sample.scores(rows))
+                            for fault, rows in sorted(faulty.items())}
         price[name] = {fault: false_at_goal(clean_scores, scores) for fault, scores in scored.items()
                        if bound[name][fault] < GOAL_RECALL}
         print(name, {fault: round(100 * value, 1) for fault, value in bound[name].items()}, flush=True)
     faults = sorted({fault for cells in bound.values() for fault in cells})
     lines = ["| condition | " + " | ".join(faults) + " |", "|" + " --- |" * (1 + len(faults))]
-    within, guard_short = 0, 0
+    within = 0
+    short: dict[str, list[str]] = {"reachable": [], "in sample only": [], "neither": []}  # guard below the goal
     for name, cells in bound.items():
         row = []
         for fault in faults:
             if fault not in cells:
                 row.append("–")
                 continue
-            cell = f"{100 * cells[fault]:.1f}"
+            cell = f"{100 * cells[fault]:.1f} / {100 * optimistic[name][fault]:.1f}"
             mine = guard.get(name, {}).get(fault, {}).get("recall")
             if mine is not None:
                 cell += f" ({100 * mine:.1f})"
-                if cells[fault] >= GOAL_RECALL:
-                    within += 1
-                    guard_short += mine < GOAL_RECALL
+                within += cells[fault] >= GOAL_RECALL
+                if mine < GOAL_RECALL:
+                    kind = ("reachable" if cells[fault] >= GOAL_RECALL else
+                            "in sample only" if optimistic[name][fault] >= GOAL_RECALL else "neither")
+                    short[kind].append(f"{name} {fault} ({100 * mine:.1f})")
             row.append(cell)
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     out.mkdir(parents=True, exist_ok=True)
     stem = ("separability" if trainer_bins else "separability-engine") + ("-support" if same_support else "")
     (out / f"{stem}.json").write_text(json.dumps({"seed": seed, "faults_per_condition": faults_per_condition,
-                                                       "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
-                                                       "false_at_goal": price}, indent=1))
+                                                  "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
+                                                  "in_sample": optimistic, "false_at_goal": price}, indent=1))
     priced = [f"| {name} | {fault} | {100 * bound[name][fault]:.1f} | {100 * share:.2f} % |"
               for name, cells in price.items() for fault, share in sorted(cells.items())]
-    summary = (f"Cells whose hindsight bound reaches {100 * GOAL_RECALL:g} %: {within}; the guard "
-               f"({guard_results.name}) is below the goal in {guard_short} of them.")
+    summary = (f"Cells whose bound reaches {100 * GOAL_RECALL:g} % out of sample: {within}. Cells where the guard "
+               f"(`{guard_results.name}`) is below the goal: {sum(map(len, short.values()))}; of those, the bound "
+               f"reaches the goal out of sample in {len(short['reachable'])}"
+               + "".join(f"\n- {cell}" for cell in short["reachable"])
+               + f"\n\nonly in sample in {len(short['in sample only'])}"
+               + "".join(f"\n- {cell}" for cell in short["in sample only"])
+               + f"\n\nneither way in {len(short['neither'])}.")
     (out / f"{stem}.md").write_text(
         "# Hindsight separability bound (`benchmarks/separability.py`"
         + ("" if trainer_bins else " --no-trainer-bins: cells by the engine's logprob and the sign of d only")
         + (" --same-support: the trainer's logprobs on the engine's support" if same_support else "")
         + ")\n\nRecall (%) at ≤ 0.1 % false quarantines "
         "of a detector that knows each condition's clean tokens in full and sets its thresholds with the labels "
-        f"(see the script's docstring); in brackets the guard's recall from `{guard_results.name}`.\n\n"
-        + "\n".join(lines) + f"\n\n{summary}\n\nWhere the bound is below {100 * GOAL_RECALL:g} %, the share of clean "
-        f"samples the same oracle must quarantine to reach it (one score; the goal allows {100 * GOAL_FALSE_RATE:g} %):"
+        "(see the script's docstring), each sample scored out of sample / in sample (against its own row's tokens "
+        f"too: optimistic); in brackets the guard's recall from `{guard_results.name}`.\n\n"
+        + "\n".join(lines) + f"\n\n{summary}\n\nWhere the bound is below {100 * GOAL_RECALL:g} % out of sample, "
+        "the share of clean samples the same oracle must quarantine to reach it (one score; the goal allows "
+        f"{100 * GOAL_FALSE_RATE:g} %):"
         "\n\n| condition | fault | bound (%) | false quarantines for the goal |\n| --- | --- | --- | --- |\n"
         + "\n".join(priced) + "\n")
     print("\n".join(lines))

@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.separability import best_recall, false_at_goal  # noqa: E402
+from benchmarks.fidelity_kit.rollouts import Rollouts  # noqa: E402
+from benchmarks.separability import Rarity, best_recall, false_at_goal  # noqa: E402
 
 
 def test_the_price_of_the_goal_is_the_clean_share_at_or_above_the_faults_lowest_thousandth():
@@ -33,3 +34,40 @@ def test_the_price_takes_the_cheapest_score_and_is_zero_where_the_bound_reaches_
     assert best_recall({"A": clean["A"], "B": clean["B"], "C": torch.zeros(1000)},
                        {"A": faulty["A"], "B": faulty["B"], "C": torch.zeros(1000)}) == 1.0
     assert false_at_goal({"A": clean["A"]}, {"A": faulty["A"]}) == 1.0  # inseparable: every clean sample
+
+
+def _rows(count: int, generator: torch.Generator, spike: float = 0.0) -> Rollouts:
+    """``count`` rows of 20 tokens spread over every engine-logprob bin (0 to −8 nats), d ~ N(0, 0.3) nats: many
+    cells, a few sparse (where d crosses a bin edge); ``spike`` added to the first token's d."""
+    engine = -torch.rand(count, 20, generator=generator) * 8
+    d = torch.randn(count, 20, generator=generator) * 0.3
+    d[:, 0] += spike
+    return Rollouts(mask=torch.ones(count, 20, dtype=torch.bool), engine=engine, trainer=(engine - d).clamp(max=0),
+                    truncated=torch.zeros(count, dtype=torch.bool), step=torch.zeros(count, dtype=torch.long))
+
+
+def test_the_bound_scores_each_clean_row_without_its_own_tokens():
+    """Fresh rows from the clean rows' own distribution are not faults: an honest bound flags about the 0.1 % it
+    allows. Scored against all clean tokens, its own included, a clean row's rarest token is never rarer than
+    one in N/2, while a fresh row's token past a sparse cell's clean maximum is one in N: the bound called
+    0.9 % of fresh clean rows separable (9 times the allowance); leaving each row's own tokens out, 0.15 %."""
+    generator = torch.Generator().manual_seed(0)
+    clean, fresh = _rows(2000, generator), _rows(2000, generator)
+    in_sample = Rarity(clean, extrapolate=False)
+    assert best_recall(in_sample.scores(clean), in_sample.scores(fresh)) > 0.005
+    out_of_sample = Rarity(clean)
+    assert best_recall(out_of_sample.scores(clean, own=clean), out_of_sample.scores(fresh)) < 0.003
+
+
+def test_past_the_clean_maximum_the_bound_goes_by_how_far():
+    """Left out of its own row's tokens, each clean row that holds a cell's largest |d| is past every other
+    row's: with rarity alone its rarest token scores as high as any fault's can (1 in N), and with ~50 cells that
+    is more clean rows than 0.1 %, so a 3-nat spike on every faulty row is caught only by the sums over many rare
+    tokens (14 %). The exponential tail past the largest other clean |d| of the cell (scale: the mean excess of the
+    cell's 20 largest) tells them apart."""
+    generator = torch.Generator().manual_seed(0)
+    clean, spiky = _rows(2000, generator), _rows(2000, generator, spike=3.0)
+    saturated = Rarity(clean, extrapolate=False)
+    assert best_recall(saturated.scores(clean, own=clean), saturated.scores(spiky)) < 0.2
+    extrapolated = Rarity(clean)
+    assert best_recall(extrapolated.scores(clean, own=clean), extrapolated.scores(spiky)) > 0.999
