@@ -169,6 +169,55 @@ def false_at_goal(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor
     return best
 
 
+TRADE_OFF_RATES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # false quarantine shares at which the curve is read
+
+
+def trade_off(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor],
+              rates: tuple[float, ...] = TRADE_OFF_RATES) -> list[float]:
+    """The oracle's trade-off curve in one cell: its best recall over the scores one at a time, at each share of
+    clean samples it may quarantine (thresholds with hindsight, as :func:`hindsight_threshold`).
+
+    >>> clean = {"A": torch.arange(1000.0)}  # clean scores 0 … 999
+    >>> faulty = {"A": torch.tensor([999.5, 995.0, 960.0, 500.0])}
+    >>> trade_off(clean, faulty, rates=(0.001, 0.01, 0.1))  # thresholds 998, 989, 899
+    [0.25, 0.5, 0.75]
+    """
+    return [max(float((faulty[name] > hindsight_threshold(clean[name], rate)).float().mean()) for name in clean)
+            for rate in rates]
+
+
+def plot_trade_off(curves: dict[str, list[float]], guard: dict[str, tuple[float, float]], path: Path) -> None:
+    """One line per cell (the share of faulty samples the oracle misses against the share of clean samples it
+    quarantines, both on log scales floored at 1e-4) and the guard's own point in the same colour (its condition's
+    false rate and its missed share)."""
+    try:
+        import matplotlib
+    except ImportError:  # the curves are in the json
+        print(f"matplotlib is not installed: {path.name} not drawn")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(13, 6))
+    for (cell, recall), colour in zip(curves.items(), plt.cm.tab20.colors * 2):
+        axis.plot(TRADE_OFF_RATES, [max(1 - value, 1e-4) for value in recall], marker=".", color=colour, label=cell)
+        if cell in guard:
+            axis.scatter([max(guard[cell][0], 1e-4)], [max(1 - guard[cell][1], 1e-4)], marker="x", color=colour)
+    axis.axvline(GOAL_FALSE_RATE, color="grey", linestyle="--", linewidth=1)
+    axis.axhline(1 - GOAL_RECALL, color="grey", linestyle="--", linewidth=1)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("share of clean samples quarantined (the guard's x: its condition's rate; 1e-4 = none)")
+    axis.set_ylabel("share of faulty samples missed (1e-4 = none; the goal: below the dashed line)")
+    axis.set_title("Cells below the goal: the hindsight oracle's trade-off (lines) and the guard (x)", fontsize=10)
+    axis.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 @app.command()
 def main(
     data: str = typer.Option(DEFAULT_DATA, help="glob of parquet files, as benchmarks/fidelity.py"),
@@ -196,6 +245,8 @@ def main(
     bound: dict[str, dict[str, float]] = {}  # out of sample (the module's docstring)
     optimistic: dict[str, dict[str, float]] = {}  # in sample: each row scored against its own tokens too
     price: dict[str, dict[str, float]] = {}  # false share the oracle needs for the goal, where the bound is below
+    curves: dict[str, list[float]] = {}  # the oracle's trade-off, in the cells where the guard is below the goal
+    guard_points: dict[str, tuple[float, float]] = {}  # the guard's (false rate, recall) there
     for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows, same_support):
         sources: dict[str, torch.Tensor] = {}
         faulty = {key: apply(rows) for key, rows in
@@ -210,6 +261,11 @@ def main(
                             for fault, rows in sorted(faulty.items())}
         price[name] = {fault: false_at_goal(clean_scores, scores) for fault, scores in scored.items()
                        if bound[name][fault] < GOAL_RECALL}
+        mine = guard.get(name, {})
+        for fault, scores in scored.items():
+            if mine.get(fault, {}).get("recall", 1.0) < GOAL_RECALL:
+                curves[f"{name} {fault}"] = trade_off(clean_scores, scores)
+                guard_points[f"{name} {fault}"] = (mine["clean"]["false_rate"], mine[fault]["recall"])
         print(name, {fault: round(100 * value, 1) for fault, value in bound[name].items()}, flush=True)
     faults = sorted({fault for cells in bound.values() for fault in cells})
     lines = ["| condition | " + " | ".join(faults) + " |", "|" + " --- |" * (1 + len(faults))]
@@ -236,7 +292,12 @@ def main(
     stem = ("separability" if trainer_bins else "separability-engine") + ("-support" if same_support else "")
     (out / f"{stem}.json").write_text(json.dumps({"seed": seed, "faults_per_condition": faults_per_condition,
                                                   "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
-                                                  "in_sample": optimistic, "false_at_goal": price}, indent=1))
+                                                  "in_sample": optimistic, "false_at_goal": price,
+                                                  "trade_off_rates": TRADE_OFF_RATES, "trade_off": curves,
+                                                  "guard": guard_points}, indent=1))
+    plot_trade_off(curves, guard_points, out / f"{stem}-trade-off.png")
+    curve_lines = [f"| {cell} | {100 * guard_points[cell][1]:.1f} at {100 * guard_points[cell][0]:.3f} % | "
+                   + " | ".join(f"{100 * value:.1f}" for value in recall) + " |" for cell, recall in curves.items()]
     priced = [f"| {name} | {fault} | {100 * bound[name][fault]:.1f} | {100 * share:.2f} % |"
               for name, cells in price.items() for fault, share in sorted(cells.items())]
     summary = (f"Cells whose bound reaches {100 * GOAL_RECALL:g} % out of sample: {within}. Cells where the guard "
@@ -258,7 +319,11 @@ def main(
         "the share of clean samples the same oracle must quarantine to reach it (one score; the goal allows "
         f"{100 * GOAL_FALSE_RATE:g} %):"
         "\n\n| condition | fault | bound (%) | false quarantines for the goal |\n| --- | --- | --- | --- |\n"
-        + "\n".join(priced) + "\n")
+        + "\n".join(priced) + "\n\nThe trade-off in the cells where the guard is below the goal: the oracle's recall (%) "
+        "(out of sample, best single score) at each share of clean samples it may quarantine, beside the guard's "
+        f"recall and its condition's false rate (`{stem}-trade-off.png` draws them):\n\n"
+        "| cell | guard | " + " | ".join(f"{100 * rate:g} %" for rate in TRADE_OFF_RATES) + " |\n"
+        + "|" + " --- |" * (2 + len(TRADE_OFF_RATES)) + "\n" + "\n".join(curve_lines) + "\n")
     print("\n".join(lines))
     print(f"{summary} ({time.perf_counter() - started:.0f} s)")
 

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity_kit.rollouts import Rollouts  # noqa: E402
-from benchmarks.separability import Rarity, best_recall, false_at_goal  # noqa: E402
+from benchmarks.separability import Rarity, best_recall, false_at_goal, trade_off  # noqa: E402
 
 
 def test_the_price_of_the_goal_is_the_clean_share_at_or_above_the_faults_lowest_thousandth():
@@ -71,3 +71,14 @@ def test_past_the_clean_maximum_the_bound_goes_by_how_far():
     assert best_recall(saturated.scores(clean, own=clean), saturated.scores(spiky)) < 0.2
     extrapolated = Rarity(clean)
     assert best_recall(extrapolated.scores(clean, own=clean), extrapolated.scores(spiky)) > 0.999
+
+
+def test_the_trade_off_curve_reads_the_best_score_at_each_false_share():
+    """Clean scores 0 … 999 on A, all 0 on B; faults at 999.5, 995, 960, 500 on A and 1 on B. At 0.1 % false the
+    threshold on A is 998 (one fault above) but B alone separates every fault: 100 % at every share. Without B the
+    curve climbs as the oracle may quarantine more: 25 % at 0.1 % (threshold 998), 50 % at 1 % (989), 75 % at 10 %
+    (899)."""
+    clean = {"A": torch.arange(1000.0), "B": torch.zeros(1000)}
+    faulty = {"A": torch.tensor([999.5, 995.0, 960.0, 500.0]), "B": torch.ones(4)}
+    assert trade_off(clean, faulty, rates=(0.001, 0.01, 0.1)) == [1.0, 1.0, 1.0]
+    assert trade_off({"A": clean["A"]}, {"A": faulty["A"]}, rates=(0.001, 0.01, 0.1)) == [0.25, 0.5, 0.75]
