@@ -1,7 +1,8 @@
 """Prototype: a standardised row sum S = Σ clip(x) / sqrt(Σ σ²_b), hindsight moments per engine bucket; recall at
 the clean rows' 1 − 0.0005 quantile, per condition and fault; which rows the guard missed does it catch."""
 import sys, glob, math, torch, json
-sys.path.insert(0, '/work/main')
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
 from benchmarks.fidelity import DEFAULT_DATA, conditions, synthetic_faults
 from benchmarks.fidelity_kit.rollouts import read_tables
 from rollout_guard.statistics import engine_bucket

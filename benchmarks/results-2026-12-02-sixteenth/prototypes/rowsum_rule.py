@@ -1,9 +1,10 @@
-"""python sumrule.py OUT BUDGET FLOOR [fidelity args]: the fidelity benchmark with a prototype row-sum rule OR-ed in:
+"""python rowsum_rule.py OUT BUDGET FLOOR [fidelity args]: the fidelity benchmark with a prototype row-sum rule OR-ed in:
 S = Σ clip(x) / sqrt(Σ σ²_b) over compared tokens (x = d − calibrated centre, clip −2..4, 1.5 for tokens no side
 found likely), flagged above the kept rows' extrapolated 1 − BUDGET/1000 quantile (at least FLOOR), once the
 buckets are centred and ≥ 1000 kept rows were seen since the last restart."""
 import sys, math, copy
-sys.path.insert(0, '/work/main')
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
 import torch
 import rollout_guard.calibration as C
 from rollout_guard.guard import RolloutGuard
