@@ -10,7 +10,7 @@ nats — and N all clean tokens of the condition. A sample is scored against the
 a clean sample's own tokens, and those of the clean row a synthetic fault was made from, are left out of the
 count, as a fresh sample's would not be in it. A token past every such clean |d| of its cell scores by how far:
 
-.. math:: s = \ln(1 + N) + \frac{|d| - m}{\beta}
+.. math:: s = \\ln(1 + N) + \\frac{|d| - m}{\\beta}
 
 with m the largest clean |d| of the cell below it and β the cell's exponential tail scale (the mean excess of
 its 20 largest |d| over the 21st). A sample scores ``A = max s`` (its rarest token), ``B = Σ relu(s − ln 100)``
@@ -31,7 +31,9 @@ on all clean rows, the thresholds see the labels, and no fault ever feeds it. A 
 online, learning the noise from a stream in which missed faults sit. So the bound says where the goal is *not*
 out of reach of per-token evidence (bound ≥ 99.9 %): a guard below it there loses to its own online estimate,
 not to the data. It is not an upper bound on every detector: rarity ignores direction and the order of tokens,
-and in a few cells the guard's direction-aware CUSUM beats it.
+and a tail scale read from a cell's 20 largest |d| is a coarse model, so in many cells the guard beats it (one
+spike in the T0.7/top_p1 runs: the bound 34–92 %, the guard 100 %). Where even the in-sample score misses the
+goal, the cell is not separable by per-token rarity however the bound is read.
 
     python benchmarks/separability.py --out benchmarks/results-fidelity
 """
