@@ -75,6 +75,13 @@ def _parts(model: Any) -> tuple[torch.nn.Module, torch.nn.Module, Any] | None:
     return backbone, head, model.config
 
 
+def head_vocabulary(head: torch.nn.Module) -> int:
+    """The LM head's output size: an ``nn.Linear``'s ``out_features`` (which DeepSpeed ZeRO-3 leaves as it is while
+    it empties the weight outside the head's forward, gathering it in a pre-forward hook), else its weight's rows."""
+    size = getattr(head, "out_features", None)
+    return int(size) if size else int(head.weight.shape[0])
+
+
 def token_log_mass(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Module, scale: float, softcap: float | None,
                    temperature: float, settings: tuple[int, float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position of ``hidden`` (B, K, H) predicting ``ids`` (B, K): ``(log Z, log p(id))``, both (B, K) float32,
@@ -85,7 +92,7 @@ def token_log_mass(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Modul
     :func:`kept_log_mass`; min-p alone scales the whole tile."""
     top_k, top_p, min_p = settings
     flat, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
-    vocabulary = head.weight.shape[0]
+    vocabulary = head_vocabulary(head)
     tile = max(1, TILE_ELEMENTS // vocabulary)
     masses, own = [], []
     for start in range(0, flat.shape[0], tile):

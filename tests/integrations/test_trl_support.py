@@ -169,3 +169,26 @@ def test_a_policy_sharded_over_two_processes_is_captured_exactly(high_entropy_mo
         assert result["local_head_rows"] < result["vocabulary"], "the LM head must really be sharded"
         assert result["cut"] < -0.05, "top_k = 5 must cut real mass for the check to mean something"
         assert result["max_difference"] < 1e-4 and result["fell_back"] == 0, result
+
+
+def test_a_head_whose_weight_is_gathered_only_in_its_forward_is_read_by_its_output_size():
+    """DeepSpeed ZeRO-3 empties every parameter outside its module's forward (``param.data`` of shape (0,)) and
+    gathers it in a pre-forward hook. The hook calls the head as a module, so the logits are whole; the tile size
+    and the ids' range come from the head's output size (``out_features``), not from the empty weight (which gave
+    a vocabulary of 0: a division by zero). Emulated with the same two hooks on an ``nn.Linear``; DeepSpeed itself
+    was not run."""
+    from rollout_guard.integrations.trl.support import token_log_mass
+
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    hidden = torch.randn(2, 5, 16, generator=generator)
+    ids = torch.randint(0, 300, (2, 5), generator=generator)
+    expected = token_log_mass(hidden, ids, head, 1.0, None, 0.7, (5, 1.0, 0.0))
+    full = head.weight.data
+    head.weight.data = torch.empty(0)
+    head.register_forward_pre_hook(lambda module, args: setattr(module.weight, "data", full))
+    head.register_forward_hook(lambda module, args, output: setattr(module.weight, "data", torch.empty(0)))
+    got = token_log_mass(hidden, ids, head, 1.0, None, 0.7, (5, 1.0, 0.0))
+    assert head.weight.numel() == 0  # emptied again after each forward
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
