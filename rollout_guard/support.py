@@ -145,6 +145,18 @@ def _head_kernel():
     return head_logsumexp_rows
 
 
+def logits_logsumexp(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log S, log p(id))`` of :func:`head_logsumexp` from logits already scaled: ``(R, V)`` float32 and ``(R,)``
+    int64 ids in, two ``(R,)`` float32 out.
+
+    >>> total, own = logits_logsumexp(torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([2]))
+    >>> round(float(total), 4), round(float(own.exp()), 4)
+    (2.4076, 0.6652)
+    """
+    total = torch.logsumexp(logits, dim=-1)
+    return total, logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - total
+
+
 def head_logsumexp(raw: torch.Tensor, ids: torch.Tensor, scale: float = 1.0, softcap: float | None = None,
                    temperature: float = 1.0, kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of an LM head's output: ``logsumexp`` of its :func:`scaled_logits` and the log-probability of
@@ -172,9 +184,7 @@ def head_logsumexp(raw: torch.Tensor, ids: torch.Tensor, scale: float = 1.0, sof
     if kernel is None:
         kernel = raw.is_cuda and _kernel_available()
     if not kernel:
-        logits = scaled_logits(raw, scale, softcap, temperature)
-        total = torch.logsumexp(logits, dim=-1)
-        return total, logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - total
+        return logits_logsumexp(scaled_logits(raw, scale, softcap, temperature), ids)
     rows, vocabulary = raw.shape
     if raw.stride(-1) != 1:
         raw = raw.contiguous()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rollout_guard.integrations.trl.sampling import _setting_reader, support_changes
-from rollout_guard.support import TIES, head_logsumexp, kept_log_mass, scaled_logits
+from rollout_guard.support import TIES, head_logsumexp, kept_log_mass, logits_logsumexp, scaled_logits
 
 AGREEMENT = 0.1  # nats: the recomputed logprob of the sampled token must be this close to TRL's (bf16 logits: ~0.01)
 TILE_ELEMENTS = 1 << 25  # logits per tile (128 MiB in float32): tokens per tile = this // vocabulary size
@@ -89,7 +89,7 @@ def token_log_mass(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Modul
     :data:`TILE_ELEMENTS` logits. Per tile: :func:`head_logsumexp` (on CUDA one Triton pass over the head's output,
     no float32 copy) and, under top-k, a ``topk`` of the head's own output (bf16 on a bf16 model: the logits' map is
     monotone, :func:`scaled_logits`) whose k + :data:`~rollout_guard.support.TIES` values alone go through
-    :func:`kept_log_mass`; min-p alone scales the whole tile."""
+    :func:`kept_log_mass`; min-p alone scales the whole tile once (its sum, its own logprob and its mass)."""
     top_k, top_p, min_p = settings
     flat, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
     vocabulary = head_vocabulary(head)
@@ -98,12 +98,13 @@ def token_log_mass(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Modul
     for start in range(0, flat.shape[0], tile):
         raw = head(flat[start : start + tile])
         chosen = flat_ids[start : start + tile].clamp(0, vocabulary - 1)
-        total, own_logprob = head_logsumexp(raw, chosen, scale, softcap, temperature)
         if 0 < top_k < vocabulary:
+            total, own_logprob = head_logsumexp(raw, chosen, scale, softcap, temperature)
             top = raw.topk(min(top_k + TIES, vocabulary), dim=-1).values
             logits = scaled_logits(top, scale, softcap, temperature)
-        else:
+        else:  # min-p alone (or k ≥ V) needs the whole tile scaled: once, for the sum and the mass
             logits = scaled_logits(raw, scale, softcap, temperature)
+            total, own_logprob = logits_logsumexp(logits, chosen)
         masses.append(kept_log_mass(logits, top_k=top_k, top_p=top_p, min_p=min_p, total=total))
         own.append(own_logprob)
     shape = ids.shape
