@@ -11,7 +11,8 @@ nvidia-smi -L | tee "$OUT/env.txt"
 python3 -c "import torch, transformers, accelerate, trl, datasets, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'trl', trl.__version__, 'pyarrow', pyarrow.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee -a "$OUT/env.txt"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 PART=${PART:-all}  # "bench": the one-GPU benchmarks only; "runs": the GRPO runs only (each fits one 10-minute call);
-# "sharded": the GRPO example under FSDP1, FSDP2 and DeepSpeed ZeRO-3 on one GPU (deepspeed and its deps in .whl/)
+# "sharded": the GRPO example under FSDP1, FSDP2 and DeepSpeed ZeRO-3 on one GPU (deepspeed and its deps on
+# PYTHONPATH: results-2026-12-02-seventeenth/README.md says how they travelled)
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout 200 python3 benchmarks/statistics_speed.py --device cuda --repeats 100 --out "$OUT/statistics_speed.json" 2>&1 | grep -v '^{' | tee "$OUT/statistics_speed.log"
   timeout 200 python3 benchmarks/guard_overhead.py --device cuda --out "$OUT/bench_guard_overhead.json" 2>&1 | tail -n 12 | tee "$OUT/bench.log"
@@ -26,7 +27,8 @@ if [ "$PART" = sharded ]; then
   fsdp="$launch --num_processes 1 --use_fsdp --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer"
   # ZeRO-3 partitions every parameter (persistence threshold 0: by default parameters under 100,000 elements, all
   # of the tiny model's, stay whole), prefetches none and keeps none live for reuse (by default up to 1e9 elements:
-  # the whole tiny model), so the LM head is empty outside its own forward, as a large model's is.
+  # the whole tiny model), meant to leave the LM head empty outside its own forward, as a large model's is (the
+  # support hook still found it whole there: results-2026-12-02-seventeenth/README.md).
   cat > /tmp/zero3.json <<'JSON'
 {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
                        "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1},

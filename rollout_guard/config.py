@@ -138,7 +138,7 @@ class GuardConfig:
     held in reserve decides. Measured once more on the engine's support (``compare_on_engine_support``; 2026-12-02,
     seed 0): ln 0.1 misses 260 instead of 320 isolated spikes for 12 instead of 6 false quarantines (worst 0.074 %,
     hybrid-7B tail), the same in four other modes (seed 1, sampling untold, dense phase 2, option off: 57–65 fewer
-    missed for 3–8 more false), no condition newly at 99.9 % except one (seed 1, top-k = 5): kept.
+    missed for 3–8 more false); one cell newly at 99.9 % in two of the five (a top-k = 5 one), none in the others: kept.
     Default ln 0.2 ≈ −1.61."""
 
     drift_threshold: float | None = 6.0
