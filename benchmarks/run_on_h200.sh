@@ -27,8 +27,7 @@ if [ "$PART" = sharded ]; then
   fsdp="$launch --num_processes 1 --use_fsdp --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer"
   # ZeRO-3 partitions every parameter (persistence threshold 0: by default parameters under 100,000 elements, all
   # of the tiny model's, stay whole), prefetches none and keeps none live for reuse (by default up to 1e9 elements:
-  # the whole tiny model), meant to leave the LM head empty outside its own forward, as a large model's is (the
-  # support hook still found it whole there: results-2026-12-02-seventeenth/README.md).
+  # the whole tiny model), so that the LM head is empty outside its own forward, as a large model's is.
   cat > /tmp/zero3.json <<'JSON'
 {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
                        "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1},

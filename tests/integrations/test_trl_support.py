@@ -172,11 +172,13 @@ def test_a_policy_sharded_over_two_processes_is_captured_exactly(high_entropy_mo
 
 
 def test_a_head_whose_weight_is_gathered_only_in_its_forward_is_read_by_its_output_size():
-    """DeepSpeed ZeRO-3 empties every parameter outside its module's forward (``param.data`` of shape (0,)) and
-    gathers it in a pre-forward hook. The hook calls the head as a module, so the logits are whole; the tile size
-    and the ids' range come from the head's output size (``out_features``), not from the empty weight (which gave
-    a vocabulary of 0: a division by zero). Emulated with the same two hooks on an ``nn.Linear``; DeepSpeed itself
-    was not run."""
+    """A head whose weight is empty (``param.data`` of shape (0,)) except in its own forward, as DeepSpeed ZeRO-3
+    keeps it, emulated with ZeRO-3's two hooks on an ``nn.Linear``. The hook calls the head as a module, so the
+    logits are whole; the tile size and the ids' range come from the head's output size (``out_features``), not
+    the weight (empty here: a vocabulary of 0, a division by zero). Real ZeRO-3 also gathers a parameter that is
+    read during any forward, so there the weight's shape would have been whole, at the cost of gathering the head
+    early and registering it as an external parameter of the root (deepspeed 0.19.8 on CPU:
+    ``benchmarks/results-2026-12-02-seventeenth/zero3_probe/``); this emulation has no such getter."""
     from rollout_guard.integrations.trl.support import token_log_mass
 
     generator = torch.Generator().manual_seed(0)
