@@ -62,7 +62,8 @@ model = LlamaForCausalLM(config)
 reference = copy.deepcopy(model)
 ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(1))
 expected, _ = capture(reference, ids, NEW)
-zero3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+zero3 = {"train_micro_batch_size_per_gpu": 1,
+         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 engine, *_ = deepspeed.initialize(model=model, config=zero3, optimizer=torch.optim.AdamW(model.parameters()))
 rank = int(os.environ["RANK"])
 ways = {"before": ("weight.shape[0] (before)", OLD), "now": ("out_features (now)", NEW)}
