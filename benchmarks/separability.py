@@ -146,10 +146,7 @@ def hindsight_threshold(clean: torch.Tensor, share: float) -> float:
 
 def best_recall(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor]) -> float:
     """The best recall at ≤ GOAL_FALSE_RATE false over one score or a pair at half the rate each."""
-    best = 0.0
-    for name in clean:
-        threshold = hindsight_threshold(clean[name], GOAL_FALSE_RATE)
-        best = max(best, float((faulty[name] > threshold).float().mean()))
+    best = trade_off(clean, faulty, (GOAL_FALSE_RATE,))[0]  # one score alone
     for first, second in (("A", "B"), ("A", "C")):
         t1 = hindsight_threshold(clean[first], GOAL_FALSE_RATE / 2)
         t2 = hindsight_threshold(clean[second], GOAL_FALSE_RATE / 2)
