@@ -28,8 +28,8 @@ bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_ED
   bucket's kept such tokens exceed, when that |x| is within ``GuardConfig.spike_excess`` (a quiet tail), else
   +inf (not judged: a run with a healthy heavy tail there cannot tell such a spike from its noise); these tokens
   are remembered longer (:data:`UNLIKELY_DECAY`) and judged once enough are kept (:func:`unlikely_min_tokens`).
-  After a restart the threshold in use before it carries through (at least ``spike_excess``; a quiet one only if
-  read from :data:`UNLIKELY_MIN_TOKENS` such tokens) until the bucket holds enough such tokens again.
+  A restart keeps them: until the bucket holds enough of the new setting's own, the reading from all it kept
+  applies, at least ``spike_excess`` and only from :data:`UNLIKELY_MIN_TOKENS` of them (:meth:`Calibration.restart`).
 
 And, when the guard is told the sampling settings (:attr:`Calibration.announced`), for the whole sample the drift
 threshold: :func:`drift_threshold`, the extrapolated ``1 − false_alarm_budget / 1000`` quantile of the kept
@@ -380,7 +380,7 @@ class Calibration:
         self._sums = [[0.0] * CALIBRATION_WIDTH for _ in range(NUM_ENGINE_BUCKETS)]
         self._unlikely = [[0.0] * (1 + NUM_EXCESS_BINS) for _ in range(NUM_ENGINE_BUCKETS)]  # tokens, |x| histogram
         self._carried = [0.0] * NUM_ENGINE_BUCKETS  # spike thresholds in use before the last restart (nats)
-        self._carried_unlikely = [math.inf] * NUM_ENGINE_BUCKETS  # the unlikely tokens' ones (nats)
+        self._unlikely_fresh = [0.0] * NUM_ENGINE_BUCKETS  # (decayed) of those tokens, since the last restart
         self._centre = [0.0] * NUM_ENGINE_BUCKETS
         self._variance = [0.0] * NUM_ENGINE_BUCKETS  # of clip(x) around the centre
         self._fresh = [0.0] * NUM_ENGINE_BUCKETS  # decayed kept tokens since the start or the last restart
@@ -435,33 +435,38 @@ class Calibration:
         nine times: 13 → 10 false quarantines of 8,064), and one whose noise needed less is judged as at the
         start. Keeping the histograms instead (read against the new centres) left thresholds read from the old
         setting's noise: after a change to top-k = 20 in a top-k = 5 stream, 5–15 % of healthy rows were flagged
-        for ten steps. Likewise the threshold of tokens no side found likely: until the bucket has read its own
-        again (:meth:`_unlikely_read`), the larger of ``spike_excess`` and the one in use before, where that was
-        finite (a quiet tail; a heavy one stays unjudged, and a heavy tail read since replaces an older quiet one).
-        Without that carry such tokens went unjudged for ~10 steps after each change (measured on the fidelity
-        benchmark, 1,000 faults per condition: isolated spikes missed 391 → 367 of 27,000, 24 of them in the top-k
-        = 5 streams; false quarantines unchanged). A quiet tail read from fewer than :data:`UNLIKELY_MIN_TOKENS`
-        such tokens (a setting with few of them per sample, :func:`unlikely_min_tokens`) is not carried: its bound
-        on the rows a tail too rare to show may flag holds for its own share per sample, and the next setting may
-        have many more (measured: carried, 11 more flagged judgements of resampled healthy rows, see
-        :data:`UNLIKELY_ROW_SHARE`)."""
+        for ten steps.
+
+        The histogram of the tokens no side found likely is kept: their healthy tail is the run's numerics on
+        low-probability tokens more than its sampling settings, and it takes ~100,000 of them to show. Until the
+        bucket holds enough of the new setting's own (:meth:`_unlikely_read`), they are judged by the reading from
+        all it kept, at least ``spike_excess``, and only where that holds :data:`UNLIKELY_MIN_TOKENS` of them (a
+        quiet reading from fewer holds for its own setting's share per sample only: the next may have many more,
+        see :data:`UNLIKELY_ROW_SHARE`); a heavy tail, kept or new, is not judged. Before, the threshold in use was
+        carried through the restart and the histogram emptied: in the fidelity benchmark's pooled streams, whose
+        setting changes every 2–5 steps, no setting reached UNLIKELY_MIN_TOKENS such tokens of its own for ~90
+        steps, so nothing was carried and they went unjudged (llama top-k = 5: 5 of 1,000 isolated spikes missed,
+        all such tokens), and a carried quiet threshold stayed frozen while the next setting's tail showed.
+        Measured (1,000 faults per condition, on the engine's support): isolated spikes missed 320 → 315 of 27,000
+        (llama top-k = 5: 995 → 1,000 of 1,000 caught), single spikes 3 → 1; seed 1: 366 → 363, flagged
+        judgements of resampled healthy rows 107 → 68 (a quiet threshold carried frozen into the pooled hybrid
+        dense-7B-tail stream: 39 → 0); phase 2 dense: 323 → 318; option off: 339 → 337, single spikes 7 → 4;
+        never told the settings: unchanged; false quarantines unchanged in all five (6, 6, 6, 7 and 5 of
+        122,368). A quiet setting followed by one whose such tokens carry a healthy 1–18-nat tail on 4 in 1,000
+        (a unit test, 256 rows of 32 such tokens a step): 73 healthy rows of 12,800 flagged before the kept
+        reading turned heavy (5 steps), 249 with the frozen carry (15 steps)."""
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
-        # a bucket that read its own tail since the last restart carries that reading (+inf for a heavy tail); a
-        # quiet one only where read from UNLIKELY_MIN_TOKENS such tokens (the next setting may have more per row)
-        read = self._unlikely_read(flags, self._unlikely_min_tokens())
-        carried_unlikely = [t if r and (math.isinf(t) or bucket[0] >= UNLIKELY_MIN_TOKENS) else c
-                            for t, r, c, bucket in zip(values[3], read, self._carried_unlikely, self._unlikely,
-                                                       strict=True)]
-        announced = self._announced
+        announced, unlikely = self._announced, self._unlikely
         self.__init__(self.config)  # every piece of state, fresh
-        self._announced, self._carried, self._carried_unlikely = announced, carried, carried_unlikely
+        self._announced, self._carried, self._unlikely = announced, carried, unlikely
 
     def _unlikely_read(self, calibrated: list[bool], needed: float) -> list[bool]:
-        """Per bucket: its threshold for tokens no side found likely is read from its own such tokens (calibrated,
-        i.e. :meth:`calibrated_flags`, and at least ``needed`` of them, :meth:`_unlikely_min_tokens`, since the start
-        or the last restart); else the one carried through the restart applies. The callers have both at hand."""
-        return [w and bucket[0] >= needed for w, bucket in zip(calibrated, self._unlikely, strict=True)]
+        """Per bucket: its threshold for tokens no side found likely is read as in its own setting (calibrated,
+        i.e. :meth:`calibrated_flags`, and at least ``needed`` such tokens, :meth:`_unlikely_min_tokens`, kept since
+        the start or the last restart); else the reading from all it kept, at least ``spike_excess``, applies (see
+        :meth:`restart`). The callers have both at hand."""
+        return [w and fresh >= needed for w, fresh in zip(calibrated, self._unlikely_fresh, strict=True)]
 
     def _unlikely_min_tokens(self) -> float:
         """:func:`unlikely_min_tokens` for the kept samples' tokens no side found likely per sample: per bucket, the
@@ -591,7 +596,11 @@ class Calibration:
         warm, centred = self.calibrated_flags(), self.centred_flags()
         centre = [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)]
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
-        carried_unlikely = [max(fixed_spike, c) for c in self._carried_unlikely]  # +inf where none was carried
+        cap = config.spike_excess if config.spike_excess is not None else math.inf
+        # the tokens no side found likely, read from all of them kept (before the last restart too): at least
+        # spike_excess, +inf from fewer than UNLIKELY_MIN_TOKENS or where heavy; until a bucket reads its own setting's
+        kept_unlikely = [max(fixed_spike, unlikely_spike_threshold(bucket[1:], bucket[0], cap, self.spike_floor()))
+                            for bucket in self._unlikely]
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = (sum(bucket[0] for bucket in self._sums) / self.rows if self.rows > 0
                              else sum(self._fresh) / max(self._fresh_rows, 1.0))  # before the sums are fed
@@ -601,7 +610,7 @@ class Calibration:
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if own else fixed_allowance
                      for v, own in zip(self._variance, centred, strict=True)]
         if not any(warm):
-            return centre, allowance, uncalibrated, carried_unlikely
+            return centre, allowance, uncalibrated, kept_unlikely
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
@@ -617,11 +626,10 @@ class Calibration:
                               if w and n >= MIN_SPIKE_CANDIDATES and floor < q < math.inf else 0.0
                               for bucket, q, w, n in zip(self._sums, quantile, warm, candidates, strict=True)],
                              floor, max(per_sample, 1.0))
-        cap = config.spike_excess if config.spike_excess is not None else math.inf
         needed = self._unlikely_min_tokens()
-        unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor, needed) if read else carried
-                    for bucket, read, carried in zip(self._unlikely, self._unlikely_read(warm, needed),
-                                                     carried_unlikely, strict=True)]
+        unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor, needed) if read else kept
+                    for bucket, read, kept in zip(self._unlikely, self._unlikely_read(warm, needed), kept_unlikely,
+                                                  strict=True)]
         return centre, allowance, spike, unlikely
 
     def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None) -> None:
@@ -647,6 +655,7 @@ class Calibration:
                 added = [step[0] - step[3], *step[UNLIKELY_HISTOGRAM:]]  # the tokens no side found likely
                 self._unlikely[k] = [value * UNLIKELY_DECAY + new
                                      for value, new in zip(self._unlikely[k], added, strict=True)]
+                self._unlikely_fresh[k] = self._unlikely_fresh[k] * UNLIKELY_DECAY + added[0]
             self._fresh[k] = self._fresh[k] * decay + tokens
             if self._fresh[k] > 0:
                 weight = tokens / max(self._fresh[k], 1e-12)  # 1 on the first step after a restart
@@ -669,7 +678,7 @@ class Calibration:
                 "fresh_rows": self._fresh_rows,
                 "drift": list(self._drift), "drift_rows": self._drift_rows,
                 "unlikely": [list(bucket) for bucket in self._unlikely], "carried": list(self._carried),
-                "carried_unlikely": list(self._carried_unlikely)}
+                "unlikely_fresh": list(self._unlikely_fresh)}
 
     def load_state_dict(self, state: dict) -> None:
         self._forget_readings()
@@ -680,7 +689,8 @@ class Calibration:
         self._unlikely = [[float(value) for value in bucket] for bucket in state.get(
             "unlikely", [[bucket[0] - bucket[3], *bucket[UNLIKELY_HISTOGRAM:]] for bucket in self._sums])]
         self._carried = [float(value) for value in state.get("carried", [0.0] * NUM_ENGINE_BUCKETS)]
-        self._carried_unlikely = [float(v) for v in state.get("carried_unlikely", [math.inf] * NUM_ENGINE_BUCKETS)]
+        # a checkpoint from before the kept memory of those tokens: all of them since its last restart
+        self._unlikely_fresh = [float(v) for v in state.get("unlikely_fresh", [bucket[0] for bucket in self._unlikely])]
         self._centre = [float(value) for value in state["centre"]]
         self._variance = [float(value) for value in state["variance"]]
         self.rows = float(state["rows"])

@@ -948,9 +948,66 @@ def test_after_a_change_a_garbage_low_engine_logprob_on_an_unlikely_token_is_jud
     forgetful = RolloutGuard(config)
     forgetful.load_state_dict(state)
     forgetful.calibration.restart()
-    forgetful.calibration._carried_unlikely = [math.inf] * NUM_ENGINE_BUCKETS
+    forgetful.calibration._unlikely = [[0.0] * len(bucket) for bucket in forgetful.calibration._unlikely]
     forgetful.sampling = ("top_k=5",)
     assert not forgetful.inspect(garbage, step=21, sampling=("top_k=5",)).suspect.any()
+
+
+def test_a_stream_that_changes_setting_every_two_steps_judges_unlikely_tokens_from_what_it_kept():
+    """The fidelity benchmark's pooled streams change their sampling setting every 2–5 steps, and each change
+    restarts the calibration. No setting then holds UNLIKELY_MIN_TOKENS tokens no side found likely of its own
+    (16,384 here at most), so with the histogram emptied at each restart such tokens were never judged (llama
+    top-k = 5: 5 of 1,000 isolated spikes missed). The histogram is kept across restarts: once it holds
+    UNLIKELY_MIN_TOKENS of them (step ~14), they are judged at ``spike_excess`` (4 nats) in every setting; a 5-nat
+    garbage low engine logprob is caught, no healthy row is flagged. Fails with the histogram emptied at a
+    restart (nothing judged: checked)."""
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(29)
+    guard = RolloutGuard(config)
+    flagged = 0
+    for step in range(1, 31):
+        flagged += int(guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.0), step=step,
+                                     sampling=(f"setting {(step - 1) // 2 % 3}",)).suspect.sum())
+        assert guard.calibration._unlikely_fresh[0] < calibration_module.UNLIKELY_MIN_TOKENS
+    assert flagged == 0
+    assert guard.calibration.threshold_values()[3][0] == config.spike_excess
+    garbage = with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, 256, 64, 0.0), 7, 5.0)
+    assert guard.inspect(garbage, step=31, sampling=("setting 0",)).suspect.nonzero().flatten().tolist() == [7]
+
+
+def test_after_a_quiet_setting_a_heavy_unlikely_tail_is_read_from_the_kept_tokens_within_a_few_steps():
+    """The price of judging a new setting's tokens no side found likely by what an earlier, quiet setting showed:
+    the new one's healthy 1–18-nat tail there (4 in 1,000 such tokens) is flagged until the reading sees it. Its
+    tokens below the threshold in use (4 nats) join the kept histogram, and 5 of them past ``spike_excess`` make
+    it heavy (+inf, not judged): within 6 steps here, 73 of 12,800 healthy rows flagged. With the threshold in use
+    before the restart carried frozen until the new setting read 100,000 such tokens of its own, 15 steps and 249
+    rows (checked)."""
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
+    generator = torch.Generator().manual_seed(3)
+    guard = RolloutGuard(config)
+    for step in range(1, 31):
+        assert not guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.0), step=step,
+                                 sampling=("quiet",)).suspect.any()
+    assert math.isfinite(guard.calibration.threshold_values()[3][0])
+    flagged = [int(guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.004), step=step,
+                                 sampling=("heavy",)).suspect.sum()) for step in range(31, 81)]
+    assert sum(flagged[6:]) == 0 and sum(flagged) < 100, flagged
+    assert math.isinf(guard.calibration.threshold_values()[3][0])
+
+
+def test_a_checkpoint_from_before_the_kept_unlikely_memory_counts_its_tokens_as_the_settings_own():
+    """A state saved before the histogram of tokens no side found likely was kept across restarts has no
+    ``unlikely_fresh``: its histogram then held only the tokens since its last restart, so they count as the
+    setting's own and the thresholds read are the same as before the save."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    calibration = quiet_unlikely_calibration(config, 1.2)
+    state = calibration.state_dict()
+    del state["unlikely_fresh"]
+    restored = Calibration(config)
+    restored.announced = True  # the guard's, from its sampling settings
+    restored.load_state_dict(state)
+    assert restored._unlikely_fresh == [bucket[0] for bucket in calibration._unlikely]
+    assert restored.threshold_values() == calibration.threshold_values()
 
 
 def symmetric_candidates(generator: torch.Generator, batch: int, length: int, sigma: float) -> RolloutEvidence:
