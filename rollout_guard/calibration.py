@@ -193,9 +193,17 @@ samples the rules missed: calibrating on them raised the threshold and missed mo
 benchmark). At 50, :func:`extrapolated_quantile` reads its upper anchor on 5 tokens."""
 
 
-UNLIKELY_TAIL_TOKENS = 5.0
+UNLIKELY_TAIL_TOKENS = 4.0
 """(decayed) kept tokens no side found likely that may lie above the |x| :func:`unlikely_spike_threshold` reads:
-enough that one corrupted token the rules missed does not set it, few enough that the reading sits in the tail."""
+enough that one corrupted token the rules missed does not set it, few enough that the reading sits in the tail.
+It also sets how many such tokens a bucket needs before they are judged (:func:`unlikely_min_tokens`: ``k · u / β``
+for the same bound β on the rows a tail too rare to show may flag), and how few past ``spike_excess`` make a tail
+heavy. Measured at 5 before the eighteenth session (1,000 faults per condition, on the engine's support): 4 judges
+20 % sooner for the same bound, and a heavy tail shows one token sooner. Real context swaps missed 8 → 7 of 4,096
+(the hybrid T0.7/top_p0.9 cell 255 → 256 of 256: its miss came at 89,649 of the 92,013 such tokens k = 5 needed),
+isolated spikes 315 → 314, late onset 15 → 14; seed 1: swaps 7 → 6, isolated 363 → 361, late 15 → 14; never told:
+swaps 21 → 20; phase 2 dense: swaps 8 → 7; option off: swaps 7 → 6, one spike 4 → 3; false quarantines and flagged
+resampled judgements unchanged in all five. 3 gave the same figures; not lower, for the reading's sake."""
 
 UNLIKELY_MIN_TOKENS = 100_000.0
 """(decayed) kept tokens no side found likely that a bucket needs before they are judged, at most (fewer where
@@ -203,7 +211,7 @@ each sample has few of them: :func:`unlikely_min_tokens`). The reading must have
 had the chance to see the healthy tail: below it, a tail of one token in 10,000 (the hybrid noise model's) shows
 too few tokens, the reading looks quiet, and the tail's tokens are flagged as they come (in a unit test with
 2,000 such tokens at warm-up: 25 of 1,920 healthy rows). A tail rarer than ~5 in this many tokens still reads as
-quiet; its tokens above the threshold are then flagged (at most ~5 · u / 100,000 of rows with u such tokens per
+quiet; its tokens above the threshold are then flagged (at most ~k · u / 100,000 of rows with u such tokens per
 row). About 7 steps of the fidelity benchmark's 256 rollouts; the 0.95 decay holds up to 20 steps' worth."""
 
 UNLIKELY_FEWEST_TOKENS = 10_000.0
@@ -212,9 +220,10 @@ sample has (:func:`unlikely_min_tokens`): the reading is then the 99.95 % point 
 
 UNLIKELY_ROW_SHARE = 0.001
 """The share of healthy rows that a tail just too rare to show in the reading may flag, at most (see
-:func:`unlikely_min_tokens`): the goal's 0.1 %, which :data:`UNLIKELY_MIN_TOKENS` already allowed a run with 20 such
-tokens per sample. The fidelity benchmark's runs have 8–77 per sample (T0.7/top_p0.9: 8–19; T1/top_p1: 51–77): with
-a fixed 100,000 the sparse ones were judged only after 24–64 steps of 256 rows. Measured (1,000 faults per
+:func:`unlikely_min_tokens`): the goal's 0.1 %, which :data:`UNLIKELY_MIN_TOKENS` already allowed a run with 25 such
+tokens per sample (20 while :data:`UNLIKELY_TAIL_TOKENS` was 5). The fidelity benchmark's runs have 8–77 per
+sample (T0.7/top_p0.9: 8–19; T1/top_p1: 51–77): with a fixed 100,000 the sparse ones were judged only after 24–64
+steps of 256 rows. Measured (with k = 5, 1,000 faults per
 condition, seed 0): isolated spikes missed 346 → 339 of 27,000 (the quiet T0.7/top_p0.9 runs 4 → 0 and 3 → 1), false
 quarantines 7 → 7 of 122,368, flagged judgements of resampled healthy rows 22 → 22 of 888,995 (once a quiet reading
 from fewer than 100,000 such tokens is no longer carried through a restart: carried, a pooled dense-tail stream's
@@ -234,7 +243,7 @@ def unlikely_min_tokens(per_row: float) -> float:
     fewer tokens, so it is judged sooner; ``u`` unknown (no kept sample yet): ``N_max``.
 
     >>> unlikely_min_tokens(8.0)  # a T = 0.7, top_p = 0.9 run: ~8 such tokens per row
-    40000.0
+    32000.0
     >>> unlikely_min_tokens(60.0), unlikely_min_tokens(0.0), unlikely_min_tokens(float("nan"))
     (100000.0, 10000.0, 100000.0)
     """

@@ -125,7 +125,7 @@ class GuardConfig:
     of tokens the engine put at −5…−10 nats to −3…−2 (measured: with ln 0.05 here, 4–11 clean samples per condition
     went over the threshold); at ln 0.2 that noise reaches it a few times per 10,000 samples, which the calibrated
     threshold of the bucket below −3 nats covers. Tokens under both cuts are judged against their own threshold
-    (:func:`rollout_guard.calibration.unlikely_spike_threshold`: 1.5 × the |x| only 5 kept such tokens exceed, when
+    (:func:`rollout_guard.calibration.unlikely_spike_threshold`: 1.5 × the |x| only 4 kept such tokens exceed, when
     that is within ``spike_excess``, else not judged; only once the bucket holds 10,000–100,000 of them,
     :func:`rollout_guard.calibration.unlikely_min_tokens`; 100,000 when this was measured): measured on the
     fidelity benchmark (1,000 faults per condition), isolated spikes 95.3 → 97.7 % pooled (100 % in five of the 18

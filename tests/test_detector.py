@@ -374,7 +374,7 @@ def with_garbage_low_engine_logprob(evidence: RolloutEvidence, row: int, size: f
 def test_tokens_no_side_found_likely_are_judged_only_where_their_healthy_tail_is_quiet(batch, tail_rate):
     """Such tokens are no spike candidates (that is where healthy large-model runs put 10–18-nat tails), so a
     garbage low engine logprob on one went unjudged: 4–5 % of isolated spikes missed even in quiet conditions of the
-    fidelity benchmark. Calibrated, they get their own threshold: 1.5 × the |x| only 5 kept such tokens exceed when
+    fidelity benchmark. Calibrated, they get their own threshold: 1.5 × the |x| only 4 kept such tokens exceed when
     that stays within ``spike_excess`` (quiet: here the floor of a guard never told its sampling settings, 2 nats,
     so a 3-nat garbage value is caught), else
     none (a heavy healthy tail: the same value is inside the noise, and no healthy row may be flagged). With 64-row
@@ -405,7 +405,7 @@ def test_a_run_with_few_unlikely_tokens_per_row_is_judged_once_their_bound_allow
     """Two such tokens per 64-token row (top-p sampling keeps few): 512 a step, whose decayed count (0.99) tops
     out near 51,000, never the 100,000 a run with many per row needs, so a garbage low engine logprob there was
     never judged (the fidelity benchmark's T0.7/top_p0.9 runs: 8–19 such tokens per row, read only after 24–64
-    steps). A tail too rare to show in N tokens flags at most 5·u/N of the rows, so u = 2 needs 10,000 (read from
+    steps). A tail too rare to show in N tokens flags at most 4·u/N of the rows, so u = 2 needs 10,000 (read from
     step ~22). A quiet tail: the garbage token is flagged after 30 steps, and no healthy row before; a heavy one
     (4 in 1,000 such tokens) shows in those 10,000 and keeps them unjudged. With the old fixed count: not
     judged."""
