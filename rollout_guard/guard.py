@@ -177,8 +177,8 @@ class RolloutGuard:
     def recalibrate(self) -> None:
         """Start the calibration over (:meth:`Calibration.restart`): centre 0, the warm-up allowance and the
         uncalibrated spike thresholds (never below the ones in use before; for tokens no side found likely, the
-        ones in use before, at least ``spike_excess``) until each bucket is calibrated again from new kept tokens
-        alone. Called by :meth:`inspect` when the sampling settings change; call it yourself
+        reading from all such tokens kept, at least ``spike_excess``) until each bucket is calibrated again from new
+        kept tokens alone. Called by :meth:`inspect` when the sampling settings change; call it yourself
         when the offset between engine and trainer changes in a way the guard cannot see (another engine version,
         a new dtype)."""
         self.calibration.restart()
