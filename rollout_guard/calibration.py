@@ -606,10 +606,11 @@ class Calibration:
         centre = [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)]
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
         cap = config.spike_excess if config.spike_excess is not None else math.inf
-        # the tokens no side found likely, read from all of them kept (before the last restart too): at least
-        # spike_excess, +inf from fewer than UNLIKELY_MIN_TOKENS or where heavy; until a bucket reads its own setting's
+        # the tokens no side found likely, until a bucket reads its own setting's (_unlikely_read): the reading from
+        # all of them kept (before the last restart too), at least spike_excess, +inf from fewer than
+        # UNLIKELY_MIN_TOKENS or where heavy
         kept_unlikely = [max(fixed_spike, unlikely_spike_threshold(bucket[1:], bucket[0], cap, self.spike_floor()))
-                            for bucket in self._unlikely]
+                         for bucket in self._unlikely]
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = (sum(bucket[0] for bucket in self._sums) / self.rows if self.rows > 0
                              else sum(self._fresh) / max(self._fresh_rows, 1.0))  # before the sums are fed
