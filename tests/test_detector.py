@@ -927,18 +927,26 @@ def test_a_heavy_tail_read_after_a_quiet_one_is_what_the_next_restart_carries():
     assert all(math.isinf(t) for t in calibration.threshold_values()[3])
 
 
+def warmed_on_a_quiet_stream(config: GuardConfig, generator: torch.Generator, steps: int,
+                             setting: str) -> RolloutGuard:
+    """A guard fed ``steps`` quiet steps of :func:`unlikely_tokens_stream` (256 rows of 64 tokens, half of them no
+    side found likely) under ``setting``: no row flagged, and those tokens judged (a finite threshold)."""
+    guard = RolloutGuard(config)
+    for step in range(1, steps + 1):
+        assert not guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.0), step=step,
+                                 sampling=(setting,)).suspect.any()
+    assert math.isfinite(guard.calibration.threshold_values()[3][0])
+    return guard
+
+
 def test_after_a_change_a_garbage_low_engine_logprob_on_an_unlikely_token_is_judged_at_once():
     """The same through the guard: a quiet stream of tokens half of which no side found likely, 20 steps, then a
     change of the sampling settings; in the step right after it, one row's unlikely token gets an engine logprob
-    5 nats below the trainer's: flagged (4 nats carried), and nothing else in the ten steps after the change.
-    Without the carried threshold the row is not judged there."""
+    5 nats below the trainer's: flagged (the kept reading, at its 4-nat minimum), and nothing else in the ten steps
+    after the change. With the kept histogram emptied at the change the row is not judged there."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
     generator = torch.Generator().manual_seed(23)
-    guard = RolloutGuard(config)
-    for step in range(1, 21):
-        assert not guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.0), step=step,
-                                 sampling=("top_k=0",)).suspect.any()
-    assert math.isfinite(guard.calibration.threshold_values()[3][0])
+    guard = warmed_on_a_quiet_stream(config, generator, 20, "top_k=0")
     state = guard.state_dict()
     garbage = with_garbage_low_engine_logprob(unlikely_tokens_stream(generator, 256, 64, 0.0), 5, 5.0)
     assert guard.inspect(garbage, step=21, sampling=("top_k=5",)).suspect.nonzero().flatten().tolist() == [5]
@@ -978,17 +986,13 @@ def test_a_stream_that_changes_setting_every_two_steps_judges_unlikely_tokens_fr
 def test_after_a_quiet_setting_a_heavy_unlikely_tail_is_read_from_the_kept_tokens_within_a_few_steps():
     """The price of judging a new setting's tokens no side found likely by what an earlier, quiet setting showed:
     the new one's healthy 1–18-nat tail there (4 in 1,000 such tokens) is flagged until the reading sees it. Its
-    tokens below the threshold in use (4 nats) join the kept histogram, and 5 of them past ``spike_excess`` make
+    tokens below the threshold in use (4 nats) join the kept histogram, and 4 of them past ``spike_excess`` make
     it heavy (+inf, not judged): within 6 steps here, 73 of 12,800 healthy rows flagged. With the threshold in use
     before the restart carried frozen until the new setting read 100,000 such tokens of its own, 15 steps and 249
     rows (checked)."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
     generator = torch.Generator().manual_seed(3)
-    guard = RolloutGuard(config)
-    for step in range(1, 31):
-        assert not guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.0), step=step,
-                                 sampling=("quiet",)).suspect.any()
-    assert math.isfinite(guard.calibration.threshold_values()[3][0])
+    guard = warmed_on_a_quiet_stream(config, generator, 30, "quiet")
     flagged = [int(guard.inspect(unlikely_tokens_stream(generator, 256, 64, 0.004), step=step,
                                  sampling=("heavy",)).suspect.sum()) for step in range(31, 81)]
     assert sum(flagged[6:]) == 0 and sum(flagged) < 100, flagged
