@@ -964,9 +964,10 @@ def test_after_a_change_a_garbage_low_engine_logprob_on_an_unlikely_token_is_jud
 def test_a_stream_that_changes_setting_every_two_steps_judges_unlikely_tokens_from_what_it_kept():
     """The fidelity benchmark's pooled streams change their sampling setting every 2–5 steps, and each change
     restarts the calibration. No setting then holds UNLIKELY_MIN_TOKENS tokens no side found likely of its own
-    (16,384 here at most), so with the histogram emptied at each restart such tokens were never judged (llama
-    top-k = 5: 5 of 1,000 isolated spikes missed). The histogram is kept across restarts: once it holds
-    UNLIKELY_MIN_TOKENS of them (step ~14), they are judged at ``spike_excess`` (4 nats) in every setting; a 5-nat
+    (8,192 here at most: the first step of each visit re-learns the centre and feeds nothing), so with the
+    histogram emptied at each restart such tokens were never judged (llama top-k = 5: 5 of 1,000 isolated spikes
+    missed). The histogram is kept across restarts: once it holds UNLIKELY_MIN_TOKENS of them (from step 27
+    here), they are judged at ``spike_excess`` (4 nats) in every setting; a 5-nat
     garbage low engine logprob is caught, no healthy row is flagged. Fails with the histogram emptied at a
     restart (nothing judged: checked)."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
