@@ -463,7 +463,7 @@ class Calibration:
         never told the settings: unchanged; false quarantines unchanged in all five (6, 6, 6, 7 and 5 of
         122,368). A quiet setting followed by one whose such tokens carry a healthy 1–18-nat tail on 4 in 1,000
         (a unit test, 256 rows of 32 such tokens a step): 73 healthy rows of 12,800 flagged before the kept
-        reading turned heavy (5 steps), 249 with the frozen carry (15 steps)."""
+        reading turned heavy (5 steps), 249 with the frozen carry (16 steps)."""
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
         announced, unlikely = self._announced, self._unlikely

@@ -989,7 +989,7 @@ def test_after_a_quiet_setting_a_heavy_unlikely_tail_is_read_from_the_kept_token
     the new one's healthy 1–18-nat tail there (4 in 1,000 such tokens) is flagged until the reading sees it. Its
     tokens below the threshold in use (4 nats) join the kept histogram, and 4 of them past ``spike_excess`` make
     it heavy (+inf, not judged): within 6 steps here, 73 of 12,800 healthy rows flagged. With the threshold in use
-    before the restart carried frozen until the new setting read 100,000 such tokens of its own, 15 steps and 249
+    before the restart carried frozen until the new setting read 100,000 such tokens of its own, 16 steps and 249
     rows (checked)."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
     generator = torch.Generator().manual_seed(3)
