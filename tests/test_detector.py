@@ -967,9 +967,8 @@ def test_a_stream_that_changes_setting_every_two_steps_judges_unlikely_tokens_fr
     (8,192 here at most: the first step of each visit re-learns the centre and feeds nothing), so with the
     histogram emptied at each restart such tokens were never judged (llama top-k = 5: 5 of 1,000 isolated spikes
     missed). The histogram is kept across restarts: once it holds UNLIKELY_MIN_TOKENS of them (from step 27
-    here), they are judged at ``spike_excess`` (4 nats) in every setting; a 5-nat
-    garbage low engine logprob is caught, no healthy row is flagged. Fails with the histogram emptied at a
-    restart (nothing judged: checked)."""
+    here), they are judged at ``spike_excess`` (4 nats) in every setting; a 5-nat garbage low engine logprob is
+    caught, no healthy row is flagged. Fails with the histogram emptied at a restart (nothing judged: checked)."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, calibration_warmup_tokens=2000)
     generator = torch.Generator().manual_seed(29)
     guard = RolloutGuard(config)
