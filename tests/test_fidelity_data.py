@@ -15,7 +15,8 @@ sys.path.insert(0, str(DATA))
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 from load import load_rollouts, to_padded  # noqa: E402
-from rollout_schema import SCHEMA, round_mantissa, rows_to_table  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from rollout_schema import SCHEMA, PartWriter, round_mantissa, rows_to_table  # noqa: E402
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (20, 1.0), (5, 0.8), (1, 1.0), (0, 0.999)])
@@ -80,6 +81,36 @@ def test_rows_to_table_rejects_bad_rows():
         rows_to_table(_columns([1], fault="typo"))
 
 
+def test_raw_logprobs_equal_to_the_engines_are_stored_as_null_and_read_back_exactly(tmp_path):
+    columns = _columns([3, 2, 4])
+    columns["engine_logprobs"][0] = [-0.5, -math.inf, math.nan]
+    columns["engine_raw_logprobs"][0] = [-0.5, -math.inf, math.nan]  # equal bit for bit, non-finite too
+    columns["engine_raw_logprobs"][1] = [-0.75, -1.5]  # a filter moved the first token, not the second
+    columns["engine_raw_logprobs"][2] = [-0.0, -1.5, -2.5, -3.5]  # -0.0 is not the engine's -0.5
+    table = rows_to_table(columns)
+    writer = PartWriter(tmp_path, "part", max_bytes=1 << 30)
+    writer.write(table)
+    path, = writer.close()
+    stored = pq.read_table(path)["engine_raw_logprobs"].to_pylist()
+    assert stored == [[None, None, None], [-0.75, None], [-0.0, None, None, None]]
+    back = load_rollouts(path)
+    assert back.schema == SCHEMA
+    as_bits = [pa.compute.list_flatten(t["engine_raw_logprobs"]).to_numpy(zero_copy_only=False).view("uint32").tolist()
+               for t in (back, table)]
+    assert as_bits[0] == as_bits[1]  # NaN, -inf and -0.0 included
+    padded, original = to_padded(pq.read_table(path)), to_padded(table)  # to_padded fills a table read directly
+    assert torch.equal(padded["engine_raw"].nan_to_num(), original["engine_raw"].nan_to_num())
+
+
+def test_schema_docstring_examples():
+    import doctest
+
+    import rollout_schema
+
+    result = doctest.testmod(rollout_schema)
+    assert result.attempted >= 4 and result.failed == 0
+
+
 def test_round_mantissa_error_bound():
     values = torch.cat([-torch.rand(10_000) * 30, torch.tensor([-1e-7, 0.0])]).tolist()
     table = pa.table({"engine_logprobs": pa.array([values + [-math.inf]], pa.list_(pa.float32()))})
@@ -107,6 +138,13 @@ def test_committed_files_keep_the_contract():
         assert pc.all(pc.equal(pc.list_value_length(table[name]), lengths)).as_py()
     clean = table.filter(pc.equal(table["fault"], "none"))
     assert pc.all(pc.equal(clean["fault_start"], -1)).as_py()
+    for path in sorted(DATA.glob("*.parquet")):  # stored compact: a raw logprob equal to the engine's is null
+        stored = pq.read_table(path, columns=["engine_logprobs", "engine_raw_logprobs"])
+        raw = pc.list_flatten(stored["engine_raw_logprobs"])
+        engine = pc.list_flatten(stored["engine_logprobs"]).to_numpy(zero_copy_only=False)
+        kept = ~raw.is_null().to_numpy(zero_copy_only=False)
+        assert raw.null_count > 0, path.name
+        assert not (raw.to_numpy(zero_copy_only=False)[kept].view("uint32") == engine[kept].view("uint32")).any()
     faulty = table.filter(pc.not_equal(table["fault"], "none"))
     assert pc.all(pc.greater_equal(faulty["fault_start"], 0)).as_py()
     assert clean.num_rows >= 20_000 and pc.sum(pc.list_value_length(clean["completion_ids"])).as_py() >= 5_000_000

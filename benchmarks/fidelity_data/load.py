@@ -17,9 +17,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+try:
+    from rollout_schema import expand_raw
+except ImportError:  # imported as benchmarks.fidelity_data.load
+    from benchmarks.fidelity_data.rollout_schema import expand_raw
+
 
 def load_rollouts(paths: str | Path | Iterable[str | Path]) -> pa.Table:
-    """Concatenate rollout parquet files (a path, a folder of ``*.parquet``, or a list of either) into one table."""
+    """Concatenate rollout parquet files (a path, a folder of ``*.parquet``, or a list of either) into one table,
+    ``engine_raw_logprobs`` filled where the files store it compact (``rollout_schema.expand_raw``)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files: list[Path] = []
@@ -27,7 +33,7 @@ def load_rollouts(paths: str | Path | Iterable[str | Path]) -> pa.Table:
         files += sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"load_rollouts: no parquet files in {paths!r}; pass files or a folder holding *.parquet")
-    return pa.concat_tables([pq.read_table(f) for f in files])
+    return expand_raw(pa.concat_tables([pq.read_table(f) for f in files]))
 
 
 def to_padded(table: pa.Table, width: int | None = None) -> dict:
@@ -40,6 +46,7 @@ def to_padded(table: pa.Table, width: int | None = None) -> dict:
     import numpy as np
     import torch
 
+    table = expand_raw(table)  # a table read straight from a file
     lengths = pc.list_value_length(table["completion_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
     rows = len(lengths)
     width = int(width if width is not None else (lengths.max() if rows else 0))

@@ -13,7 +13,9 @@ Columns (see README.md for their exact meaning):
   ``late_onset``, ``stale_weights``), ``fault_start`` (int32 token index, -1 when clean).
 
 Files are written with zstd and byte-stream-split floats (about 11 bytes per completion token lossless, about 8.5 with
-the logprobs rounded to 16 mantissa bits: ``round_mantissa``).
+the logprobs rounded to 16 mantissa bits: ``round_mantissa``). On disk an ``engine_raw_logprobs`` element is null
+where it equals ``engine_logprobs`` bit for bit (no filter changed that token's logprob: about half the tokens;
+``compact_raw``, in ``PartWriter``); the readers fill those back (``expand_raw``), so no reader ever sees a null.
 """
 
 from __future__ import annotations
@@ -101,10 +103,60 @@ def round_mantissa(table: pa.Table, bits: int) -> pa.Table:
     return table
 
 
+RAW = "engine_raw_logprobs"
+
+
+def _flat_float32(column) -> tuple:
+    """(values, offsets) of a list<float32> column: a float32 numpy array (NaN at a null element) and int32 offsets."""
+    import numpy as np
+
+    values = pa.compute.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.float32)
+    lengths = pa.compute.list_value_length(column).to_numpy(zero_copy_only=False)
+    return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def compact_raw(table: pa.Table) -> pa.Table:
+    """``engine_raw_logprobs`` with a null element wherever it equals ``engine_logprobs`` bit for bit (±inf and NaN
+    included), which parquet stores in a bit instead of four bytes; exactly undone by :func:`expand_raw`.
+
+    >>> t = pa.table({"engine_logprobs": pa.array([[-1.0, -2.0], [-3.0]], pa.list_(pa.float32())),
+    ...               "engine_raw_logprobs": pa.array([[-1.0, -2.5], [-3.0]], pa.list_(pa.float32()))})
+    >>> compact_raw(t)["engine_raw_logprobs"].to_pylist()
+    [[None, -2.5], [None]]
+    >>> expand_raw(compact_raw(t)).equals(t)
+    True
+    """
+    import numpy as np
+
+    if RAW not in table.column_names:
+        return table
+    raw, offsets = _flat_float32(table[RAW])
+    engine, _ = _flat_float32(table["engine_logprobs"])
+    same = raw.view(np.uint32) == engine.view(np.uint32)
+    array = pa.ListArray.from_arrays(pa.array(offsets), pa.array(raw, pa.float32(), mask=same))
+    return table.set_column(table.column_names.index(RAW), RAW, array)
+
+
+def expand_raw(table: pa.Table) -> pa.Table:
+    """The table with every null ``engine_raw_logprobs`` element filled from ``engine_logprobs`` (what
+    :func:`compact_raw` left out); the table itself where there is none."""
+    import numpy as np
+
+    if RAW not in table.column_names or pa.compute.list_flatten(table[RAW]).null_count == 0:
+        return table
+    flat = pa.compute.list_flatten(table[RAW])
+    raw, offsets = _flat_float32(table[RAW])
+    engine, _ = _flat_float32(table["engine_logprobs"])
+    values = np.where(flat.is_null().to_numpy(zero_copy_only=False), engine, raw)
+    array = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
+    return table.set_column(table.column_names.index(RAW), RAW, array)
+
+
 class PartWriter:
     """Appends tables to ``{stem}_{k}.parquet``, opening a new part once a file passes ``max_bytes``.
 
-    Each ``write`` is one row group, flushed to disk at once, so a part's size on disk is known after each call.
+    Each ``write`` is one row group, flushed to disk at once, so a part's size on disk is known after each call;
+    ``engine_raw_logprobs`` is stored compact (:func:`compact_raw`).
     ``max_parts`` bounds the number of files; ``full`` says when the last part is full and no more fits.
     """
 
@@ -138,7 +190,7 @@ class PartWriter:
                 raise RuntimeError(f"{self.stem}: all {self.max_parts} parts are full; check PartWriter.full first")
             self.writer.close()
             self._open()
-        self.writer.write_table(table)
+        self.writer.write_table(compact_raw(table))
         self.rows += table.num_rows
         self.tokens += int(pa.compute.sum(pa.compute.list_value_length(table["completion_ids"])).as_py() or 0)
 

@@ -111,12 +111,15 @@ def from_table(table, condition: str = "") -> Rollouts:
 
 
 def read_tables(paths: Sequence[str | Path]):
-    """All parquet files concatenated (columns the benchmark needs, plus metadata)."""
+    """All parquet files concatenated (columns the benchmark needs, plus metadata), ``engine_raw_logprobs`` filled
+    where the files store it compact."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from benchmarks.fidelity_data.rollout_schema import expand_raw
+
     tables = [pq.read_table(path) for path in paths]
-    return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+    return expand_raw(pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0])
 
 
 def fixed_subset(table, clean_per_source: int, faulty_per_kind: int, seed: int = 0):
