@@ -78,12 +78,14 @@ class TransformersRollouts:
         was_training = model.training
         model.eval()
         dtype = next(model.parameters()).dtype
-        autocast = torch.autocast(device.type, dtype=self.engine_dtype) if self.engine_dtype not in (None, dtype) else contextlib.nullcontext()
+        autocast = torch.autocast(device.type, dtype=self.engine_dtype) if self.engine_dtype not in (None, dtype) \
+            else contextlib.nullcontext()
         config = copy.deepcopy(trainer.generation_config)  # TRL's own: temperature, top-p/k, min-p, penalties
         config.output_scores = True
         config.return_dict_in_generate = True
         with autocast:
-            out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=config)
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                 generation_config=config)
         if was_training:
             model.train()
         sequences = out.sequences[:, width:]
@@ -102,13 +104,15 @@ class TransformersRollouts:
 
 
 @torch.no_grad()
-def score_with_transformers(model: Any, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0,
+def score_with_transformers(model: Any, prompts: list[list[int]], completions: list[list[int]],
+                            temperature: float = 1.0,
                             batch_size: int = 16) -> list[list[float]]:
     """The model's logprob of each completion token given its prompt (logits / temperature, as TRL's trainer)."""
     device = next(model.parameters()).device
     out: list[list[float]] = []
     for start in range(0, len(prompts), batch_size):
-        rows = [list(p) + list(c) for p, c in zip(prompts[start : start + batch_size], completions[start : start + batch_size], strict=True)]
+        rows = [list(p) + list(c) for p, c in zip(prompts[start : start + batch_size],
+                                                  completions[start : start + batch_size], strict=True)]
         width = max(len(row) for row in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         attention = torch.zeros(len(rows), width, dtype=torch.long)
@@ -116,8 +120,10 @@ def score_with_transformers(model: Any, prompts: list[list[int]], completions: l
             ids[i, : len(row)] = torch.tensor(row)
             attention[i, : len(row)] = 1
         logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.float() / temperature
-        logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
-        for i, (prompt, completion) in enumerate(zip(prompts[start : start + batch_size], completions[start : start + batch_size], strict=True)):
+        logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(
+            -1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
+        for i, (prompt, completion) in enumerate(zip(prompts[start : start + batch_size],
+                                                     completions[start : start + batch_size], strict=True)):
             first = len(prompt) - 1  # logprob of token t sits at position t - 1
             out.append(logprobs[i, first : first + len(completion)].tolist())
     return out

@@ -40,7 +40,8 @@ def length_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_rows
 
 
 @torch.no_grad()
-def rescore(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], temperature: float = 1.0,
+def rescore(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+            temperature: float = 1.0,
             max_batch_tokens: int = 16384, max_batch_rows: int = 256,
             on_batch: Callable[[int], None] | None = None) -> list[list[float]]:
     """Logprob of each completion token given its prompt, batched; ``on_batch(rows)`` after each batch.
@@ -48,7 +49,8 @@ def rescore(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[
     Empty completions give empty lists. Rows are returned in the input order.
     """
     if len(prompts) != len(completions):
-        raise ValueError(f"prompts and completions: {len(prompts)} vs {len(completions)} rows; pass one completion per prompt")
+        raise ValueError(f"prompts and completions: {len(prompts)} vs {len(completions)} rows; "
+                         f"pass one completion per prompt")
     device = next(model.parameters()).device
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     out: list[list[float]] = [[] for _ in prompts]

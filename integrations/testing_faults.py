@@ -94,7 +94,8 @@ def _prefix_split(original: Any) -> Any:
             query_lens = (query_start[1:] - query_start[:-1])[:num_decodes]
             seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
             if seq_lens is not None:
-                FAULT_STATS["new_rows_run_as_decode"] += int(((seq_lens[:num_decodes] == query_lens) & (query_lens > 0)).sum())
+                FAULT_STATS["new_rows_run_as_decode"] += int(((seq_lens[:num_decodes] == query_lens)
+                                                              & (query_lens > 0)).sum())
         return result
 
     return split

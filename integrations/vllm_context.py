@@ -33,7 +33,8 @@ from typing import Any
 
 ROLLOUT_FIELDS = (
     "engine_call", "weight_version", "prompt_tokens", "generation_tokens", "finish_reason", "completion_fingerprint",
-    "cached_tokens", "prefix_cache_hit_share", "preemptions", "queued_s", "scheduled_s", "first_token_s", "last_token_s",
+    "cached_tokens", "prefix_cache_hit_share", "preemptions", "queued_s", "scheduled_s", "first_token_s",
+    "last_token_s",
     "kv_cache_usage_max", "kv_cache_usage_mean", "running_requests_max", "waiting_requests_max", "engine_preemptions",
 )
 # the per-rollout fields that need vLLM's stats (``disable_log_stats=False``)
@@ -134,7 +135,8 @@ class IterationLog:
         return log
 
 
-_WINDOW_KEYS = ("kv_cache_usage_max", "kv_cache_usage_mean", "running_requests_max", "waiting_requests_max", "engine_preemptions")
+_WINDOW_KEYS = ("kv_cache_usage_max", "kv_cache_usage_mean", "running_requests_max", "waiting_requests_max",
+                "engine_preemptions")
 
 
 def _range_max(values: Any, lo: Any, hi: Any) -> Any:
@@ -160,7 +162,8 @@ def _range_max(values: Any, lo: Any, hi: Any) -> Any:
     return result
 
 
-def window_stats_batch(log: IterationLog, starts: Sequence[float | None], stops: Sequence[float | None]) -> list[dict[str, Any]]:
+def window_stats_batch(log: IterationLog, starts: Sequence[float | None],
+                       stops: Sequence[float | None]) -> list[dict[str, Any]]:
     """Engine state over each request's life: the iterations recorded from ``starts[i]`` (its scheduling) up to and
     including the first one recorded at or after ``stops[i]`` (its last token; vLLM records an iteration just after
     the engine core stamps its outputs). Keys: ``kv_cache_usage_max``, ``kv_cache_usage_mean``,
@@ -185,7 +188,8 @@ def window_stats_batch(log: IterationLog, starts: Sequence[float | None], stops:
         return results
     at = np.asarray(log.at, dtype=np.float64)
     lo = np.searchsorted(at, np.asarray([starts[i] for i in timed], dtype=np.float64), side="left")
-    hi = np.minimum(np.searchsorted(at, np.asarray([stops[i] for i in timed], dtype=np.float64), side="left") + 1, len(at))
+    hi = np.minimum(np.searchsorted(at, np.asarray([stops[i] for i in timed], dtype=np.float64), side="left") + 1,
+                    len(at))
     valid = lo < hi
     if not valid.any():
         return results
@@ -245,7 +249,8 @@ def rollout_contexts(outputs: Iterable[Any], call_started: float, log: Iteration
             **window,
         }
         for completion in output.outputs:
-            contexts.append({**shared, "generation_tokens": len(completion.token_ids), "finish_reason": completion.finish_reason,
+            contexts.append({**shared, "generation_tokens": len(completion.token_ids),
+                             "finish_reason": completion.finish_reason,
                              "completion_fingerprint": completion_fingerprint(completion.token_ids)})
     return [{name: context[name] for name in ROLLOUT_FIELDS} for context in contexts]
 
@@ -264,7 +269,8 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "max_num_seqs": read("scheduler_config", "max_num_seqs"),
         "max_num_batched_tokens": read("scheduler_config", "max_num_batched_tokens"),
         "block_size": read("cache_config", "block_size"), "cache_blocks": read("cache_config", "num_gpu_blocks"),
-        "kv_cache_dtype": read("cache_config", "cache_dtype"), "enable_prefix_caching": read("cache_config", "enable_prefix_caching"),
+        "kv_cache_dtype": read("cache_config", "cache_dtype"),
+        "enable_prefix_caching": read("cache_config", "enable_prefix_caching"),
         "gpu_memory_utilization": read("cache_config", "gpu_memory_utilization"),
         "tensor_parallel_size": read("parallel_config", "tensor_parallel_size"),
         "engine_stats": getattr(getattr(llm, "llm_engine", None), "log_stats", None),
@@ -380,7 +386,8 @@ def server_settings(text: str) -> dict[str, Any]:
 
     return {"block_size": convert(labels.get("block_size")), "cache_blocks": convert(labels.get("num_gpu_blocks")),
             "enable_prefix_caching": convert(labels.get("enable_prefix_caching")),
-            "kv_cache_dtype": convert(labels.get("cache_dtype")), "gpu_memory_utilization": convert(labels.get("gpu_memory_utilization"))}
+            "kv_cache_dtype": convert(labels.get("cache_dtype")),
+            "gpu_memory_utilization": convert(labels.get("gpu_memory_utilization"))}
 
 
 SERVER_STEP_FIELDS = ("kv_cache_usage", "running_requests", "waiting_requests", "preemptions", "prefix_cache_hit_share",
@@ -395,8 +402,10 @@ def server_step_context(now: dict[str, float], before: dict[str, float] | None, 
     ``queue_seconds_mean`` and ``time_to_first_token_mean`` (per request), ``generation_tokens``. A family the
     server does not expose gives NaN.
 
-    >>> before = {"vllm:num_preemptions_total": 2.0, "vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": 10.0}
-    >>> now = {"vllm:num_preemptions_total": 5.0, "vllm:prefix_cache_queries_total": 300.0, "vllm:prefix_cache_hits_total": 60.0,
+    >>> before = {"vllm:num_preemptions_total": 2.0, "vllm:prefix_cache_queries_total": 100.0,
+    ...           "vllm:prefix_cache_hits_total": 10.0}
+    >>> now = {"vllm:num_preemptions_total": 5.0, "vllm:prefix_cache_queries_total": 300.0,
+    ...        "vllm:prefix_cache_hits_total": 60.0,
     ...        "vllm:kv_cache_usage_perc": 0.5, "vllm:num_requests_running": 4.0}
     >>> step = server_step_context(now, before)
     >>> step["preemptions"], step["prefix_cache_hit_share"], step["kv_cache_usage"], step["running_requests"]
@@ -414,17 +423,21 @@ def server_step_context(now: dict[str, float], before: dict[str, float] | None, 
         return now[name] - before.get(name, 0.0) if name in now else nan
 
     def ratio(numerator: float, denominator: float) -> float:
-        return numerator / denominator if math.isfinite(numerator) and math.isfinite(denominator) and denominator > 0 else nan
+        return numerator / denominator if math.isfinite(numerator) and math.isfinite(denominator) and denominator > 0 \
+            else nan
 
     return {
         "kv_cache_usage": gauge("vllm:kv_cache_usage_perc") / max(engines, 1),
         "running_requests": gauge("vllm:num_requests_running"),
         "waiting_requests": gauge("vllm:num_requests_waiting"),
         "preemptions": delta("vllm:num_preemptions_total"),
-        "prefix_cache_hit_share": ratio(delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")),
+        "prefix_cache_hit_share": ratio(delta("vllm:prefix_cache_hits_total"),
+                                        delta("vllm:prefix_cache_queries_total")),
         "requests_finished": delta("vllm:request_success_total"),
-        "queue_seconds_mean": ratio(delta("vllm:request_queue_time_seconds_sum"), delta("vllm:request_queue_time_seconds_count")),
-        "time_to_first_token_mean": ratio(delta("vllm:time_to_first_token_seconds_sum"), delta("vllm:time_to_first_token_seconds_count")),
+        "queue_seconds_mean": ratio(delta("vllm:request_queue_time_seconds_sum"),
+                                    delta("vllm:request_queue_time_seconds_count")),
+        "time_to_first_token_mean": ratio(delta("vllm:time_to_first_token_seconds_sum"),
+                                          delta("vllm:time_to_first_token_seconds_count")),
         "generation_tokens": delta("vllm:generation_tokens_total"),
     }
 

@@ -79,7 +79,8 @@ def enable_trl_colocate_on_vllm_cpu(dtype: str = "float32", enforce_eager: bool 
     return True
 
 
-def cpu_server_command(model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32", max_model_len: int = 256) -> list[str]:
+def cpu_server_command(model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32",
+                       max_model_len: int = 256) -> list[str]:
     """Command line of a vLLM server on the CPU build that TRL's server mode can generate from.
 
     Uses ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of the CPU build exits at
@@ -90,7 +91,8 @@ def cpu_server_command(model: str, port: int, host: str = "127.0.0.1", dtype: st
     import sys
 
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host, "--port", str(port),
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+        "--port", str(port),
         "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
         "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
     ]

@@ -57,10 +57,12 @@ class StressSettings:
     cache_blocks: int | None = None  # KV / state cache blocks (num_gpu_blocks_override); few = slots recycled fast
     prefix_caching: bool | None = None
     rounds: int = 1  # generate every prompt this many times, one engine, slots recycled across rounds
-    vary_lengths: bool = False  # per-request max_tokens drawn from [max_tokens // 4, max_tokens]; random prompts of 1–2× length
+    # per-request max_tokens drawn from [max_tokens // 4, max_tokens]; random prompts of 1–2× length
+    vary_lengths: bool = False
 
     @classmethod
-    def stress(cls, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, cache_blocks: int | None = None,
+    def stress(cls, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+               cache_blocks: int | None = None,
                prefix_caching: bool | None = None, rounds: int | None = None) -> StressSettings:
         """``--stress``: 8 concurrent requests, a token budget of one token per request (a newcomer next to 7
         decoding requests gets exactly one token: vLLM PR #32118's trigger), 4 cache blocks per concurrent request,
@@ -95,7 +97,8 @@ class StressSettings:
             f"token budget per step (--max-num-batched-tokens): {show(self.max_num_batched_tokens)}",
             f"concurrent requests (--max-num-seqs): {show(self.max_num_seqs)}",
             f"cache blocks (--cache-blocks): {show(self.cache_blocks)}",
-            f"prefix caching: {show(None if self.prefix_caching is None else ('on' if self.prefix_caching else 'off'))}",
+            f"prefix caching: "
+                f"{show(None if self.prefix_caching is None else ('on' if self.prefix_caching else 'off'))}",
             f"rounds: {self.rounds}",
             f"lengths: {'varied' if self.vary_lengths else 'as given'}",
         ]
@@ -152,7 +155,8 @@ class VllmEngine:
         scores = []
         for output, prompt, completion in zip(outputs, prompts, completions, strict=True):
             entries = output.prompt_logprobs[len(prompt) : len(prompt) + len(completion)]
-            scores.append([entry[token].logprob if entry and token in entry else None for token, entry in zip(completion, entries, strict=True)])
+            scores.append([entry[token].logprob if entry and token in entry else None
+                           for token, entry in zip(completion, entries, strict=True)])
         return scores
 
 
@@ -162,7 +166,8 @@ def start_engine(model: str, **kwargs: Any) -> VllmEngine:
         return VllmEngine(model, **kwargs)
     except Exception as error:  # vLLM raises many types; the CLI turns this into one line and exit code 2
         message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        raise AuditUsageError(f"vLLM could not start {model} ({type(error).__name__}: {message[:300]}); check the model "
+        raise AuditUsageError(f"vLLM could not start {model} ({type(error).__name__}: {message[:300]}); "
+                              f"check the model "
                               f"and the engine options") from error
 
 
@@ -174,7 +179,8 @@ def check_model(model: str) -> None:
     path = Path(model)
     if path.exists():
         if not (path / "config.json").is_file():
-            raise AuditUsageError(f"MODEL {model}: no config.json in that folder; pass a model folder saved with save_pretrained")
+            raise AuditUsageError(f"MODEL {model}: no config.json in that folder; "
+                                  f"pass a model folder saved with save_pretrained")
         return
     if model.count("/") <= 1 and not model.startswith((".", "/")):
         from huggingface_hub import try_to_load_from_cache
@@ -191,14 +197,17 @@ def check_audit_inputs(prompt_file: Path | None, samples: int, max_tokens: int, 
     if dtype not in DTYPES:
         raise AuditUsageError(f"--dtype {dtype}: vLLM and transformers run {', '.join(DTYPES)}; pick one of those")
     if samples < 1:
-        raise AuditUsageError(f"--samples {samples}: need at least 1 completion per prompt (0 samples would check nothing)")
+        raise AuditUsageError(f"--samples {samples}: need at least 1 completion per prompt "
+                              f"(0 samples would check nothing)")
     if max_tokens < 1:
         raise AuditUsageError(f"--max-tokens {max_tokens}: need at least 1 token per completion")
     if not (temperature > 0 and math.isfinite(temperature)):
-        raise AuditUsageError(f"--temperature {temperature}: use a positive number (greedy decoding gives no sampling logprobs to compare)")
+        raise AuditUsageError(f"--temperature {temperature}: use a positive number "
+                              f"(greedy decoding gives no sampling logprobs to compare)")
     if not 0.0 <= inject_rate <= 1.0:
         raise AuditUsageError(f"--inject-rate {inject_rate}: use a share of samples between 0 and 1")
-    for name, value in (("--max-num-batched-tokens", stress.max_num_batched_tokens), ("--max-num-seqs", stress.max_num_seqs),
+    for name, value in (("--max-num-batched-tokens", stress.max_num_batched_tokens),
+                        ("--max-num-seqs", stress.max_num_seqs),
                         ("--cache-blocks", stress.cache_blocks)):
         if value is not None and value < 1:
             raise AuditUsageError(f"{name} {value}: use a positive number")
@@ -207,22 +216,27 @@ def check_audit_inputs(prompt_file: Path | None, samples: int, max_tokens: int, 
     if (stress.max_num_batched_tokens is not None and stress.max_num_seqs is not None
             and stress.max_num_batched_tokens < stress.max_num_seqs):
         raise AuditUsageError(f"--max-num-batched-tokens {stress.max_num_batched_tokens} is below --max-num-seqs "
-                              f"{stress.max_num_seqs}: vLLM needs a budget of at least one token per concurrent request")
+                              f"{stress.max_num_seqs}: vLLM needs a budget of at least one token "
+                              f"per concurrent request")
     if prompt_file is None:
         if random_prompts < 1 or prompt_tokens < 1:
-            raise AuditUsageError(f"--random-prompts {random_prompts} --prompt-tokens {prompt_tokens}: need at least 1 prompt "
+            raise AuditUsageError(f"--random-prompts {random_prompts} --prompt-tokens {prompt_tokens}: "
+                                  f"need at least 1 prompt "
                                   f"of at least 1 token (or pass --prompts FILE)")
         return
     if not prompt_file.is_file():
-        raise AuditUsageError(f"--prompts {prompt_file}: no such file; pass a text file with one prompt per line (or .jsonl)")
+        raise AuditUsageError(f"--prompts {prompt_file}: no such file; "
+                              f"pass a text file with one prompt per line (or .jsonl)")
     raw = prompt_file.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise AuditUsageError(f"--prompts {prompt_file}: not UTF-8 text (byte {error.start}); pass a text file with one "
+        raise AuditUsageError(f"--prompts {prompt_file}: not UTF-8 text (byte {error.start}); "
+                              f"pass a text file with one "
                               f"prompt per line") from error
     if "\x00" in text:
-        raise AuditUsageError(f"--prompts {prompt_file}: binary file (NUL bytes); pass a text file with one prompt per line")
+        raise AuditUsageError(f"--prompts {prompt_file}: binary file (NUL bytes); "
+                              f"pass a text file with one prompt per line")
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise AuditUsageError(f"--prompts {prompt_file}: no prompts (the file is empty); put one prompt per line")
@@ -236,7 +250,8 @@ def check_audit_inputs(prompt_file: Path | None, samples: int, max_tokens: int, 
                 raise AuditUsageError(f"--prompts {prompt_file}:{number}: not JSON ({error}); write one "
                                       f'{{"prompt": "..."}} per line') from error
             if not isinstance(value, dict) or not isinstance(value.get("prompt"), str):
-                raise AuditUsageError(f'--prompts {prompt_file}:{number}: no "prompt" string; write one {{"prompt": "..."}} per line')
+                raise AuditUsageError(f'--prompts {prompt_file}:{number}: no "prompt" string; '
+                                      f'write one {{"prompt": "..."}} per line')
 
 
 def read_prompts(path: Path, tokenizer: Any) -> list[list[int]]:
@@ -252,7 +267,8 @@ def random_prompts(tokenizer: Any, count: int, length: int, seed: int, vary: boo
     special = set(tokenizer.all_special_ids)
     vocabulary = [i for i in range(len(tokenizer)) if i not in special]
     rng = random.Random(seed)
-    return [[rng.choice(vocabulary) for _ in range(rng.randint(1, 2 * length) if vary else length)] for _ in range(count)]
+    return [[rng.choice(vocabulary) for _ in range(rng.randint(1, 2 * length) if vary else length)]
+            for _ in range(count)]
 
 
 def model_max_len(model: str) -> int | None:
@@ -273,10 +289,12 @@ def load_transformers(model: str, dtype: str) -> tuple[Any, Any]:
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval(), AutoTokenizer.from_pretrained(model)
+        return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval(), \
+            AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError, KeyError) as error:
         message = " ".join(str(error).split())[:300]
-        raise AuditUsageError(f"transformers could not load {model} ({type(error).__name__}: {message}); pass a causal LM "
+        raise AuditUsageError(f"transformers could not load {model} ({type(error).__name__}: {message}); "
+                              f"pass a causal LM "
                               f"folder with its tokenizer") from error
 
 
@@ -287,12 +305,14 @@ def padded(rows: list[list[float | None]], width: int) -> torch.Tensor:
     return out
 
 
-def evidence_from_lists(engine: list[list[float | None]], trainer: list[list[float | None]], injected: torch.Tensor | None = None) -> RolloutEvidence:
+def evidence_from_lists(engine: list[list[float | None]], trainer: list[list[float | None]],
+                        injected: torch.Tensor | None = None) -> RolloutEvidence:
     width = max([len(row) for row in engine] + [1])
     mask = torch.zeros(len(engine), width, dtype=torch.long)
     for i, row in enumerate(engine):
         mask[i, : len(row)] = 1
-    return RolloutEvidence(mask=mask, engine_logprobs=padded(engine, width), trainer_logprobs=padded(trainer, width), injected=injected)
+    return RolloutEvidence(mask=mask, engine_logprobs=padded(engine, width), trainer_logprobs=padded(trainer, width),
+                           injected=injected)
 
 
 @dataclass
@@ -308,8 +328,9 @@ class AuditResult:
     rounds: list[int] = field(default_factory=list)  # per sample: its round (0-based)
 
 
-def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path | None = None, samples_per_prompt: int = 4,
-          max_tokens: int = 32, temperature: float = 1.0, dtype: str = "float32", inject_rate: float = 0.0, seed: int = 0,
+def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path | None = None,
+          samples_per_prompt: int = 4, max_tokens: int = 32, temperature: float = 1.0, dtype: str = "float32",
+          inject_rate: float = 0.0, seed: int = 0,
           config: GuardConfig | None = None, output_dir: Path | None = None, random_prompt_count: int = 16,
           random_prompt_tokens: int = 8, stress: StressSettings | None = None,
           on_progress: Callable[[str, int, int], None] | None = None, trainer_dtype: str | None = None) -> AuditResult:
@@ -326,15 +347,18 @@ def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path 
     hf_model, tokenizer = load_transformers(model, trainer_dtype or dtype)
     if prompts is None:
         prompts = (read_prompts(prompt_file, tokenizer) if prompt_file
-                   else random_prompts(tokenizer, random_prompt_count, random_prompt_tokens, seed, vary=stress.vary_lengths))
+                   else random_prompts(tokenizer, random_prompt_count, random_prompt_tokens, seed,
+                                       vary=stress.vary_lengths))
     if not prompts or not any(prompts):
-        raise AuditUsageError("no prompt tokens to generate from: the prompts are empty after tokenization; pass non-empty prompts")
+        raise AuditUsageError("no prompt tokens to generate from: the prompts are empty after tokenization; "
+                              "pass non-empty prompts")
     if any(len(p) == 0 for p in prompts):
         raise AuditUsageError("a prompt tokenizes to 0 tokens; remove empty prompts or use a tokenizer that adds BOS")
     longest = max(map(len, prompts)) + max_tokens
     limit = model_max_len(model)
     if limit is not None and longest > limit:
-        raise AuditUsageError(f"the longest prompt ({longest - max_tokens} tokens) + --max-tokens {max_tokens} exceeds the "
+        raise AuditUsageError(f"the longest prompt ({longest - max_tokens} tokens) + --max-tokens {max_tokens} "
+                              f"exceeds the "
                               f"model's {limit} positions; lower --max-tokens or shorten the prompts")
     engine = start_engine(model, dtype=dtype, seed=seed, max_model_len=min(limit, longest) if limit else longest,
                           **stress.engine_kwargs())
@@ -352,7 +376,8 @@ def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path 
         selected = choose_rows(len(rows), inject_rate, generator)
         plan = plan_injection(rows, selected, group_size=samples_per_prompt)
         limits = [rng.randint(max(1, max_tokens // 4), max_tokens) for _ in rows] if stress.vary_lengths else max_tokens
-        generated, logprobs = engine.generate(plan.contexts, limits, temperature=temperature, seed=seed + round_index * len(rows))
+        generated, logprobs = engine.generate(plan.contexts, limits, temperature=temperature,
+                                              seed=seed + round_index * len(rows))
         all_rows += rows
         completions += generated
         engine_logprobs += logprobs
@@ -362,7 +387,8 @@ def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path 
             on_progress("generate", round_index + 1, stress.rounds)
     timings["generate"] = time.perf_counter() - started
     if sum(map(len, completions)) == 0:
-        raise AuditUsageError("vLLM generated no completion tokens (every sample ended at once); nothing to compare — "
+        raise AuditUsageError("vLLM generated no completion tokens (every sample ended at once); "
+                              "nothing to compare — "
                               "check the prompts and --max-tokens")
     started = time.perf_counter()
     done = [0]
@@ -383,15 +409,18 @@ def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path 
         completion = completions[row]
         records.append(QuarantineRecord(
             step=0, process_index=0, row=row, global_row=row, group_size=samples_per_prompt, action="monitored",
-            rules=rule_names(int(report.reasons[row])), stats=dict(zip(SAMPLE_COLUMNS, report.samples[row].tolist(), strict=True)),
+            rules=rule_names(int(report.reasons[row])),
+            stats=dict(zip(SAMPLE_COLUMNS, report.samples[row].tolist(), strict=True)),
             prompt_ids=list(all_rows[row]), completion_ids=completion, prompt_text=tokenizer.decode(all_rows[row]),
             completion_text=tokenizer.decode(completion), completion_tokens=[tokenizer.decode([t]) for t in completion],
-            engine_logprobs=engine_logprobs[row], trainer_logprobs=trainer_logprobs[row], reward=None, rewards_per_func={},
+            engine_logprobs=engine_logprobs[row], trainer_logprobs=trainer_logprobs[row],
+            reward=None, rewards_per_func={},
             advantage_before=None, advantage_after=None,
             sampling={"temperature": temperature, "top_p": 1.0, "top_k": 0, "max_tokens": max_tokens, "seed": seed,
                       "logprobs_mode": "processed_logprobs"},
             model=model, engine={"name": "vllm", "mode": "audit", "dtype": dtype, **stress.engine_kwargs()},
-            injected=injected[row] if inject_rate > 0 else None, created_unix=time.time(), extra={"round": round_of[row]},
+            injected=injected[row] if inject_rate > 0 else None, created_unix=time.time(),
+            extra={"round": round_of[row]},
         ))
     if output_dir is not None:
         sink = LocalFilesSink(output_dir, config)
@@ -420,7 +449,8 @@ def _as_tensor(values: Sequence[float | None]) -> torch.Tensor:
     return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
 
 
-def replay_pattern(record: QuarantineRecord, trainer: Sequence[float], engine: Sequence[float | None] | None) -> Pattern:
+def replay_pattern(record: QuarantineRecord, trainer: Sequence[float],
+                   engine: Sequence[float | None] | None) -> Pattern:
     """The pattern of a record: its recorded engine logprobs against the re-scored trainer (and a fresh engine)."""
     recorded = _as_tensor(record.engine_logprobs or [None] * len(trainer))
     replayed_trainer = _as_tensor(trainer)
@@ -430,10 +460,12 @@ def replay_pattern(record: QuarantineRecord, trainer: Sequence[float], engine: S
 
 def replay(record: QuarantineRecord, model: str | None = None, dtype: str = "float32", with_vllm: bool = True,
            config: GuardConfig | None = None, engine_model: str | None = None) -> ReplayResult:
-    return replay_many([record], model=model, dtype=dtype, with_vllm=with_vllm, config=config, engine_model=engine_model)[0]
+    return replay_many([record], model=model, dtype=dtype, with_vllm=with_vllm, config=config,
+                       engine_model=engine_model)[0]
 
 
-def replay_many(records: Sequence[QuarantineRecord], model: str | None = None, dtype: str = "float32", with_vllm: bool = True,
+def replay_many(records: Sequence[QuarantineRecord], model: str | None = None, dtype: str = "float32",
+                with_vllm: bool = True,
                 config: GuardConfig | None = None, engine_model: str | None = None) -> list[ReplayResult]:
     """Replay several records with one transformers model and one fresh engine (all records from one model)."""
     model = model or records[0].model
@@ -459,7 +491,8 @@ def replay_many(records: Sequence[QuarantineRecord], model: str | None = None, d
     results = []
     for record, trainer, engine_scores in zip(records, trainers, engines, strict=True):
         recorded_engine = record.engine_logprobs or [None] * len(trainer)
-        verdict_recorded = RolloutGuard(config).inspect(evidence_from_lists([recorded_engine], [trainer]), step=record.step)
+        verdict_recorded = RolloutGuard(config).inspect(evidence_from_lists([recorded_engine], [trainer]),
+                                                        step=record.step)
         verdict_fresh = (RolloutGuard(config).inspect(evidence_from_lists([engine_scores], [trainer]), step=record.step)
                          if engine_scores is not None else None)
         results.append(ReplayResult(record, trainer, engine_scores, verdict_recorded, verdict_fresh,

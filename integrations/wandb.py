@@ -118,7 +118,8 @@ class WandbSink:
         self._last_image_step = report.step
         images = {}
         chart = spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta,
-                            self.image_dir / f"spikes_step{report.step:07d}.png", title=f"Engine vs trainer |Δ| up to step {report.step}")
+                            self.image_dir / f"spikes_step{report.step:07d}.png",
+                            title=f"Engine vs trainer |Δ| up to step {report.step}")
         images[f"{PREFIX}spike_chart"] = self.wandb.Image(str(chart), caption=f"up to step {report.step}")
         full = [record for record in records if record.full_evidence]
         if full:
@@ -133,7 +134,8 @@ class WandbSink:
         run = self.run
         if run is None or not guard.totals.history:
             return
-        chart = spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta, self.image_dir / "spikes_final.png",
+        chart = spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta,
+                            self.image_dir / "spikes_final.png",
                             title="Engine vs trainer |Δ|, whole run")
         run.log({f"{PREFIX}spike_chart": self.wandb.Image(str(chart), caption="whole run"),
                  "train/global_step": guard.totals.history[-1]["step"]})

@@ -15,7 +15,8 @@ from rollout_guard.sinks import LocalFilesSink, Sink
 from rollout_guard.store import QuarantineStore, read_records
 
 __all__ = [
-    "CircuitBreakerTripped", "ConsoleSink", "GuardConfig", "GuardConfigError", "GuardError", "GuardInputError", "LocalFilesSink",
+    "CircuitBreakerTripped", "ConsoleSink", "GuardConfig", "GuardConfigError", "GuardError", "GuardInputError",
+    "LocalFilesSink",
     "MissingExtraError", "QuarantineRecord", "QuarantineStore", "RolloutEvidence", "RolloutGuard", "Sink", "StepReport",
     "read_records",
 ]

@@ -107,9 +107,11 @@ def guard_rows(
         inside = position < length
         valid = tl.load(mask_ptr + row * mask_stride + position, mask=inside, other=0) != 0
         tokens += tl.sum(valid.to(tl.int32), axis=0)
-        engine, engine_ok, engine_bad = _logprobs(engine_ptr + row * engine_stride + position, inside, valid, HAS_ENGINE)
+        engine, engine_ok, engine_bad = _logprobs(engine_ptr + row * engine_stride + position, inside, valid,
+                                                  HAS_ENGINE)
         nonfinite_engine += engine_bad
-        trainer, trainer_ok, trainer_bad = _logprobs(trainer_ptr + row * trainer_stride + position, inside, valid, HAS_TRAINER)
+        trainer, trainer_ok, trainer_bad = _logprobs(trainer_ptr + row * trainer_stride + position, inside, valid,
+                                                     HAS_TRAINER)
         nonfinite_trainer += trainer_bad
         both = engine_ok & trainer_ok
         engine_count += tl.sum(engine_ok.to(tl.int32), axis=0)
@@ -126,16 +128,19 @@ def guard_rows(
         sum_log_ratio += tl.sum(log_ratio, axis=0)
         max_abs = tl.maximum(max_abs, tl.max(tl.where(both, abs_delta, -inf), axis=0))
         capped = tl.minimum(log_ratio, k3_cap)
-        series = capped * capped * (0.5 + capped * (1.0 / 6.0 + capped * (1.0 / 24.0 + capped * (1.0 / 120.0 + capped / 720.0))))
+        series = capped * capped * (0.5 + capped * (1.0 / 6.0 + capped * (1.0 / 24.0
+                                                                          + capped * (1.0 / 120.0 + capped / 720.0))))
         k3 = tl.where(tl.abs(capped) < 0.1, series, tl.exp(capped) - 1.0 - capped)
         sum_k3 += tl.sum(tl.where(both, k3, 0.0), axis=0)
-        confident_wrong += tl.sum((both & (engine >= confident_logprob) & (trainer <= doubtful_logprob)).to(tl.int32), axis=0)
+        confident_wrong += tl.sum((both & (engine >= confident_logprob) & (trainer <= doubtful_logprob)).to(tl.int32),
+                                  axis=0)
         divergent = both & (abs_delta > divergence_delta)
         first_divergent = tl.minimum(first_divergent, tl.min(tl.where(divergent, position, 2147483647), axis=0))
 
         # direction-aware detector: x = d − centre of the token's engine bucket
         engine_bucketed = tl.where(engine_ok, engine, 0.0)
-        bucket = (engine_bucketed >= edge0).to(tl.int32) + (engine_bucketed >= edge1).to(tl.int32) + (engine_bucketed >= edge2).to(tl.int32)
+        bucket = (engine_bucketed >= edge0).to(tl.int32) + (engine_bucketed >= edge1).to(tl.int32) \
+            + (engine_bucketed >= edge2).to(tl.int32)
         centre = tl.load(thresholds_ptr + bucket)
         allowance = tl.load(thresholds_ptr + 4 + bucket)
         unlikely_spike = tl.load(thresholds_ptr + 12 + bucket)
@@ -290,7 +295,8 @@ def guard_rows(
                 tl.atomic_add(aggregates + 21 + bit, 1.0, sem="relaxed")
 
     bins128 = tl.arange(0, 128)
-    tl.atomic_add(out_ptr + histogram_at + bins128, delta_counts.to(tl.float64), mask=bins128 < NUM_DELTA, sem="relaxed")
+    tl.atomic_add(out_ptr + histogram_at + bins128, delta_counts.to(tl.float64), mask=bins128 < NUM_DELTA,
+                  sem="relaxed")
     if reasons == 0:  # a kept sample feeds the calibration
         calibration = out_ptr + calibration_at + buckets4 * CAL_WIDTH
         tl.atomic_add(calibration + 0, bucket_tokens.to(tl.float64), sem="relaxed")

@@ -44,14 +44,17 @@ class AlertMonitor:
         config, alerts = self.config, []
         share = metrics.get("quarantined_share" if config.quarantines else "suspect_share", 0.0)
         share_baseline = self.share_baseline if self.share_baseline is not None else 0.0
-        if share >= config.alert_min_share and share > config.alert_jump * share_baseline and self._cooled_down("quarantine_rate", step):
+        if share >= config.alert_min_share and share > config.alert_jump * share_baseline \
+                and self._cooled_down("quarantine_rate", step):
             verb = "quarantined" if config.quarantines else "flagged (monitor mode)"
             alerts.append(Alert(
                 "quarantine_rate", "WARN", step, share, share_baseline,
                 f"rollout_guard: {share:.1%} of rollouts {verb} at step {step}",
                 f"{int(metrics.get('suspect', 0))} of {int(metrics.get('samples', 0))} rollouts at step {step} were "
-                f"suspect (running baseline {share_baseline:.2%}). Max |Δ| {metrics.get('max_abs_delta', math.nan):.3g} "
-                "nats. Rules: " + ", ".join(f"{k.removeprefix('rule/')}={int(v)}" for k, v in metrics.items() if k.startswith("rule/") and v),
+                f"suspect (running baseline {share_baseline:.2%}). "
+                f"Max |Δ| {metrics.get('max_abs_delta', math.nan):.3g} "
+                "nats. Rules: " + ", ".join(f"{k.removeprefix('rule/')}={int(v)}" for k, v in metrics.items()
+                                            if k.startswith("rule/") and v),
             ))
         max_delta = metrics.get("max_abs_delta", math.nan)
         if math.isfinite(max_delta) and max_delta > 0:
@@ -73,17 +76,20 @@ class AlertMonitor:
             self.log_delta_baseline = log_delta if self.log_delta_baseline is None else (
                 (1 - self.alpha) * self.log_delta_baseline + self.alpha * log_delta
             )
-        self.share_baseline = share if self.share_baseline is None else (1 - self.alpha) * self.share_baseline + self.alpha * share
+        self.share_baseline = share if self.share_baseline is None \
+            else (1 - self.alpha) * self.share_baseline + self.alpha * share
         for alert in alerts:
             self.last_alert_step[alert.kind] = step
         self.sent += len(alerts)
         return alerts
 
-    def circuit_breaker(self, step: int, share: float, ceiling: float, title: str, text: str, throttle: bool) -> Alert | None:
+    def circuit_breaker(self, step: int, share: float, ceiling: float, title: str, text: str,
+                        throttle: bool) -> Alert | None:
         """An error-level alert for a tripped circuit breaker; ``throttle`` applies the cooldown."""
         return self.error("circuit_breaker", step, share, ceiling, title, text, throttle)
 
-    def error(self, kind: str, step: int, value: float, baseline: float, title: str, text: str, throttle: bool = True) -> Alert | None:
+    def error(self, kind: str, step: int, value: float, baseline: float, title: str, text: str,
+              throttle: bool = True) -> Alert | None:
         """An error-level alert of ``kind`` (e.g. ``"advantage_replica"``); ``throttle`` applies the cooldown."""
         if throttle and not self._cooled_down(kind, step):
             return None

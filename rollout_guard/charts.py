@@ -1,4 +1,5 @@
-"""Charts drawn with matplotlib (Agg, no display needed). Needs the ``charts`` extra (also in ``trl``, ``wandb``, ``cli``)."""
+"""Charts drawn with matplotlib (Agg, no display needed). Needs the ``charts`` extra (also in ``trl``, ``wandb``,
+``cli``)."""
 
 from __future__ import annotations
 
@@ -27,27 +28,34 @@ def _finite(values: Sequence[float]) -> list[float]:
     return [value if value is not None and math.isfinite(value) and value > 0 else math.nan for value in values]
 
 
-def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: float | None, path: str | Path, title: str = "") -> Path:
+def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: float | None, path: str | Path,
+                title: str = "") -> Path:
     """x: training step; y: max and p99 token |engine − trainer| logprob per step (log scale); threshold line;
     steps with suspect samples (quarantined, unless in monitor mode) circled in red with their count."""
     steps = [row["step"] for row in history]
     figure, axis = plt.subplots(figsize=(12, 4.6), dpi=110, layout="constrained")
-    axis.plot(steps, _finite([row["max_abs_delta"] for row in history]), color="#1f77b4", marker=".", lw=1.2, label="max |Δ| per step")
-    axis.plot(steps, _finite([row["p99_abs_delta"] for row in history]), color="#7f7f7f", lw=0.9, ls="--", label="p99 |Δ| per step")
+    axis.plot(steps, _finite([row["max_abs_delta"] for row in history]), color="#1f77b4", marker=".", lw=1.2,
+              label="max |Δ| per step")
+    axis.plot(steps, _finite([row["p99_abs_delta"] for row in history]), color="#7f7f7f", lw=0.9, ls="--",
+              label="p99 |Δ| per step")
     axis.plot(steps, _finite([row.get("kept_max_abs_delta", math.nan) for row in history]), color="#2ca02c", lw=1.0,
               marker=".", ms=3, label="max |Δ| of samples kept in the loss")
     if spike_delta is not None:
         axis.axhline(spike_delta, color="#d62728", lw=1, ls=":", label=f"token_spike threshold ({spike_delta:g} nats)")
     if mean_delta is not None:
-        axis.axhline(mean_delta, color="#ff7f0e", lw=1, ls=":", label=f"mean_drift threshold ({mean_delta:g} nats/token)")
+        axis.axhline(mean_delta, color="#ff7f0e", lw=1, ls=":",
+                     label=f"mean_drift threshold ({mean_delta:g} nats/token)")
     flagged = [row for row in history if row.get("quarantined", 0) or row.get("suspect", 0)]
     if flagged:
-        ys = [row["max_abs_delta"] if row["max_abs_delta"] and math.isfinite(row["max_abs_delta"]) else 1.0 for row in flagged]
-        axis.scatter([row["step"] for row in flagged], ys, s=70, facecolors="none", edgecolors="#d62728", linewidths=1.6,
+        ys = [row["max_abs_delta"] if row["max_abs_delta"] and math.isfinite(row["max_abs_delta"]) else 1.0
+              for row in flagged]
+        axis.scatter([row["step"] for row in flagged], ys, s=70, facecolors="none", edgecolors="#d62728",
+                     linewidths=1.6,
                      zorder=5, label="step with suspect samples (count)")
         for row, y in zip(flagged, ys, strict=True):
             count = int(row.get("suspect", 0) or row.get("quarantined", 0))
-            axis.annotate(str(count), (row["step"], y), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8, color="#d62728")
+            axis.annotate(str(count), (row["step"], y), textcoords="offset points", xytext=(0, 8), ha="center",
+                          fontsize=8, color="#d62728")
     axis.set_yscale("log")
     axis.set_xlabel("training step")
     axis.set_ylabel("|logprob engine − trainer| (nats)")
@@ -81,12 +89,14 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
     axis.set_xticks(positions)
     axis.set_xticklabels([repr(token)[1:-1] for token in tokens], rotation=90 if len(tokens) > 20 else 0, fontsize=8)
     axis.set_ylabel("logprob of the sampled token (nats)")
-    shown = f"tokens {start}–{stop - 1} of {len(record.completion_ids)}" if (start, stop) != (0, len(record.completion_ids)) else "all tokens"
+    shown = f"tokens {start}–{stop - 1} of {len(record.completion_ids)}" \
+        if (start, stop) != (0, len(record.completion_ids)) else "all tokens"
     axis.set_xlabel(f"completion token ({shown})")
     prompt = record.prompt_text if len(record.prompt_text) <= 80 else "…" + record.prompt_text[-79:]
     max_delta = record.stats.get("max_abs_delta")
     axis.set_title(
-        f"step {record.step}, rollout {record.global_row}: max |Δ| {max_delta:.3g} nats, rules: {', '.join(record.rules)}\n"
+        f"step {record.step}, rollout {record.global_row}: max |Δ| {max_delta:.3g} nats, "
+        f"rules: {', '.join(record.rules)}\n"
         f"prompt: {prompt!r}",
         fontsize=9,
     )
@@ -95,8 +105,10 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
     return _save(figure, path)
 
 
-def delta_heatmap(steps: Sequence[int], histograms: Sequence[Sequence[float]], bin_edges: Sequence[float], path: str | Path) -> Path:
-    """Per-step histogram of token |Δ| with fixed bin edges, as a heatmap: x = step, y = |Δ| (log), colour = tokens."""
+def delta_heatmap(steps: Sequence[int], histograms: Sequence[Sequence[float]], bin_edges: Sequence[float],
+                  path: str | Path) -> Path:
+    """Per-step histogram of token |Δ| with fixed bin edges, as a heatmap: x = step, y = |Δ| (log),
+    colour = tokens."""
     import numpy as np
 
     counts = np.asarray(histograms, dtype=float).T  # (bins, steps)
@@ -120,7 +132,8 @@ DELTA_FLOOR = 1e-8  # nats: where a |Δ| of exactly 0 is drawn on the log scale 
 
 
 def _floored(values: Sequence[float]) -> list[float]:
-    """|Δ| values for a log axis: NaN stays NaN (no tokens), values below :data:`DELTA_FLOOR` (0 included) sit on it."""
+    """|Δ| values for a log axis: NaN stays NaN (no tokens), values below :data:`DELTA_FLOOR` (0 included) sit
+    on it."""
     return [value if math.isnan(value) else max(value, DELTA_FLOOR) for value in values]
 
 
@@ -145,8 +158,10 @@ def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> 
     usage_max = _column(history, "engine/kv_cache_usage_max")
     if all(math.isnan(v) for v in usage_max):  # server mode: the gauge at scrape time
         usage_max = _column(history, "engine/kv_cache_usage")
-    middle.plot(steps, [100 * v for v in usage_max], color="#9467bd", marker="o", ms=3, lw=1.2, label="KV-cache usage, max (%)")
-    middle.plot(steps, [100 * v for v in _column(history, "engine/kv_cache_usage_mean")], color="#9467bd", ls="--", lw=1,
+    middle.plot(steps, [100 * v for v in usage_max], color="#9467bd", marker="o", ms=3, lw=1.2,
+                label="KV-cache usage, max (%)")
+    middle.plot(steps, [100 * v for v in _column(history, "engine/kv_cache_usage_mean")], color="#9467bd",
+                ls="--", lw=1,
                 label="KV-cache usage, mean (%)")
     middle.set_ylabel("KV-cache usage (%)")
     running = middle.twinx()
@@ -155,15 +170,18 @@ def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> 
         running_max = _column(history, "engine/running_requests")
     running.plot(steps, running_max, color="#2ca02c", marker="s", ms=3, lw=1.2, label="running requests, max")
     running.set_ylabel("running requests")
-    bottom.step(steps, _column(history, "engine/weight_version"), where="mid", color="#ff7f0e", lw=1.5, label="weight version (syncs)")
+    bottom.step(steps, _column(history, "engine/weight_version"), where="mid", color="#ff7f0e", lw=1.5,
+                label="weight version (syncs)")
     bottom.set_ylabel("weight version")
     preempted = bottom.twinx()
-    preempted.plot(steps, _column(history, "engine/preemptions"), color="#8c564b", marker="x", lw=0.8, label="preemptions")
+    preempted.plot(steps, _column(history, "engine/preemptions"), color="#8c564b", marker="x", lw=0.8,
+                   label="preemptions")
     preempted.set_ylabel("preemptions")
     bottom.set_xlabel("training step")
     for axis in (top, middle, bottom):
         axis.grid(True, alpha=0.3)
-    handles = [h for axis in (top, share, middle, running, bottom, preempted) for h in axis.get_legend_handles_labels()[0]]
+    handles = [h for axis in (top, share, middle, running, bottom, preempted)
+               for h in axis.get_legend_handles_labels()[0]]
     figure.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
     return _save(figure, path)
 
@@ -173,7 +191,8 @@ def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str =
     :func:`rollout_guard.engine_view.sample_rows`): weight version, KV-cache usage during its life (max) and running
     requests during its life (max); suspect rollouts circled in red. A panel whose field the engine did not give
     says so."""
-    panels = (("weight_version", "weight version (syncs since start)"), ("kv_cache_usage_max", "KV-cache usage during the rollout, max (%)"),
+    panels = (("weight_version", "weight version (syncs since start)"),
+              ("kv_cache_usage_max", "KV-cache usage during the rollout, max (%)"),
               ("running_requests_max", "running requests during the rollout, max"))
     figure, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), dpi=110, sharey=True, layout="constrained")
     delta = _floored(_column(samples, "max_abs_delta"))
@@ -189,7 +208,8 @@ def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str =
             axis.scatter(xs, delta, s=12, color="#1f77b4", alpha=0.6, label="rollout")
             flagged = [(x, y) for x, y, s in zip(xs, delta, suspect, strict=True) if s]
             if flagged:
-                axis.scatter(*zip(*flagged), s=60, facecolors="none", edgecolors="#d62728", linewidths=1.4, label="suspect")
+                axis.scatter(*zip(*flagged), s=60, facecolors="none", edgecolors="#d62728", linewidths=1.4,
+                             label="suspect")
         axis.set_xlabel(label)
         axis.grid(True, alpha=0.3)
     if not all(math.isnan(v) for v in delta):
@@ -198,5 +218,6 @@ def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str =
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         figure.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
-    figure.suptitle(title or f"Each rollout's mismatch against its engine context ({len(samples)} rollouts)", fontsize=10)
+    figure.suptitle(title or f"Each rollout's mismatch against its engine context ({len(samples)} rollouts)",
+                    fontsize=10)
     return _save(figure, path)

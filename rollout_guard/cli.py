@@ -1,4 +1,5 @@
-"""The ``rollout-guard`` command line (the ``cli`` extra; ``audit`` and ``replay`` also need vLLM: ``cpu`` or ``gpu``)."""
+"""The ``rollout-guard`` command line (the ``cli`` extra; ``audit`` and ``replay`` also need vLLM: ``cpu`` or
+``gpu``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import typer
 
 from rollout_guard.report import format_value
 
-app = typer.Typer(help="rollout_guard: keep corrupted rollouts out of RL training.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="rollout_guard: keep corrupted rollouts out of RL training.", no_args_is_help=True,
+                  add_completion=False)
 
 
 @app.callback()
@@ -23,8 +25,10 @@ def main() -> None:
 
 @app.command()
 def report(
-    run_dir: Path = typer.Argument(..., help="The guard's output folder (or the trainer output_dir holding rollout_guard/)."),
-    output: Path | None = typer.Option(None, "--output", "-o", help="HTML file to write (default RUN_DIR/report.html)."),
+    run_dir: Path = typer.Argument(..., help="The guard's output folder (or the trainer output_dir holding "
+                                   "rollout_guard/)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="HTML file to write "
+                                       "(default RUN_DIR/report.html)."),
     top: int = typer.Option(10, help="How many of the worst samples to draw token by token."),
 ) -> None:
     """Build one self-contained HTML report (spike chart, |Δ| histograms, alerts, worst samples, quarantine table)."""
@@ -51,7 +55,8 @@ def _fail(message: str) -> typer.Exit:
 
 @app.command()
 def audit(
-    model: str = typer.Argument(..., help="Model folder (or hub id already in the local cache) that vLLM and transformers load."),
+    model: str = typer.Argument(..., help="Model folder (or hub id already in the local cache) that vLLM and "
+                                "transformers load."),
     prompts: Path | None = typer.Option(None, help="Prompts, one per line (.txt) or {'prompt': ...} per line (.jsonl). "
                                         "Default: random token prompts."),
     random_prompts: int = typer.Option(16, help="How many random token prompts when no --prompts file is given."),
@@ -63,18 +68,22 @@ def audit(
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16, for vLLM and transformers alike."),
     trainer_dtype: str | None = typer.Option(None, help="dtype of the transformers model only (default: --dtype), e.g. "
                                              "float32 next to a bfloat16 engine."),
-    inject_rate: float = typer.Option(0.0, help="Share of samples to corrupt with stale context (to see the guard fire)."),
+    inject_rate: float = typer.Option(0.0, help="Share of samples to corrupt with stale context "
+                                      "(to see the guard fire)."),
     seed: int = typer.Option(0),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Write the guard's local files (and records) here."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the guard's local files "
+                                       "(and records) here."),
     stress: bool = typer.Option(False, "--stress", help="Run under the conditions in which cache-recycling bugs show: "
                                 "8 concurrent requests, a token budget of 8 per step (a new request next to 7 decoding "
                                 "ones gets one token), 32 cache blocks, prefix caching on, 3 rounds, varied lengths. "
                                 "The options below override single conditions."),
     max_num_batched_tokens: int | None = typer.Option(None, help="vLLM token budget per engine step."),
     max_num_seqs: int | None = typer.Option(None, help="vLLM concurrent requests."),
-    cache_blocks: int | None = typer.Option(None, help="vLLM KV/state cache blocks (num_gpu_blocks_override): few blocks "
+    cache_blocks: int | None = typer.Option(None, help="vLLM KV/state cache blocks (num_gpu_blocks_override): "
+                                            "few blocks "
                                             "recycle cache slots fast."),
-    prefix_caching: bool | None = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="vLLM prefix caching."),
+    prefix_caching: bool | None = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                               help="vLLM prefix caching."),
     rounds: int | None = typer.Option(None, help="Generate every prompt this many times with one engine (default 1; "
                                       "3 with --stress)."),
     show: int = typer.Option(20, help="How many suspect samples to list."),
@@ -87,7 +96,8 @@ def audit(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, StressSettings, check_audit_inputs, check_model
+    from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, StressSettings, check_audit_inputs, \
+        check_model
     from rollout_guard.integrations.vllm_tools import audit as run_audit
 
     _quiet_vllm()
@@ -96,7 +106,8 @@ def audit(
     else:
         settings = StressSettings(max_num_batched_tokens, max_num_seqs, cache_blocks, prefix_caching, rounds or 1)
     try:
-        check_audit_inputs(prompts, samples, max_tokens, temperature, dtype, inject_rate, settings, random_prompts, prompt_tokens)
+        check_audit_inputs(prompts, samples, max_tokens, temperature, dtype, inject_rate, settings, random_prompts,
+                           prompt_tokens)
         if trainer_dtype is not None and trainer_dtype not in DTYPES:
             raise AuditUsageError(f"--trainer-dtype {trainer_dtype}: use one of {', '.join(DTYPES)}")
         check_model(model)
@@ -110,13 +121,15 @@ def audit(
 
     def on_progress(phase: str, done: int, total: int) -> None:
         if phase not in tasks:
-            tasks[phase] = progress.add_task({"generate": "vLLM rounds", "rescore": "re-scoring samples"}[phase], total=total)
+            tasks[phase] = progress.add_task({"generate": "vLLM rounds", "rescore": "re-scoring samples"}[phase],
+                                             total=total)
         progress.update(tasks[phase], completed=done)
 
     try:
         with progress:
             result = run_audit(model, prompt_file=prompts, samples_per_prompt=samples, max_tokens=max_tokens,
-                               temperature=temperature, dtype=dtype, inject_rate=inject_rate, seed=seed, output_dir=output,
+                               temperature=temperature, dtype=dtype, inject_rate=inject_rate, seed=seed,
+                               output_dir=output,
                                random_prompt_count=random_prompts, random_prompt_tokens=prompt_tokens, stress=settings,
                                on_progress=on_progress, trainer_dtype=trainer_dtype)
     except AuditUsageError as error:
@@ -125,7 +138,8 @@ def audit(
     dtypes = dtype if trainer_dtype in (None, dtype) else f"vLLM {dtype}, transformers {trainer_dtype}"
     table = Table(title=f"rollout-guard audit: {model} ({dtypes})", show_header=False)
     for key in ("samples", "tokens", "max_abs_delta", "mean_abs_delta", "p99_abs_delta", "kl_k3", "engine_mean_logprob",
-                "trainer_mean_logprob", "confident_wrong_tokens", "nonfinite_engine_tokens", "suspect", "caught", "missed", "false_alarms"):
+                "trainer_mean_logprob", "confident_wrong_tokens", "nonfinite_engine_tokens", "suspect", "caught",
+                "missed", "false_alarms"):
         if key in metrics:
             table.add_row(key, format_value(metrics[key]))
     table.add_row("seconds (load / generate / score)", " / ".join(f"{v:.1f}" for v in result.seconds.values()))
@@ -137,7 +151,8 @@ def audit(
                       f"{format_value(record.stats.get('first_divergent_token'))}): "
                       f"{record.prompt_text!r} -> {record.completion_text[:60]!r}", highlight=False, soft_wrap=True)
     if len(worst) > show:
-        console.print(f"... and {len(worst) - show} more suspect samples" + (f" (all in {output}/quarantine)" if output else ""),
+        console.print(f"... and {len(worst) - show} more suspect samples"
+                      + (f" (all in {output}/quarantine)" if output else ""),
                       highlight=False)
     if inject_rate > 0:
         clean = metrics.get("missed", 0) == 0 and metrics.get("false_alarms", 0) == 0
@@ -150,12 +165,14 @@ def audit(
 
 @app.command()
 def replay(
-    store: Path = typer.Argument(..., help="A quarantine store folder or file (…/rollout_guard/quarantine, or audit's -o DIR/quarantine)."),
+    store: Path = typer.Argument(..., help="A quarantine store folder or file (…/rollout_guard/quarantine, "
+                                 "or audit's -o DIR/quarantine)."),
     step: int | None = typer.Option(None, help="Step of the record to replay."),
     row: int | None = typer.Option(None, help="Global row of the record (with --step)."),
     index: int = typer.Option(0, help="Otherwise: the index of the record in the store (0 = oldest), "
                        "counting records with tokens only."),
-    all_records: bool = typer.Option(False, "--all", help="Replay every record of the store that has tokens, one line each."),
+    all_records: bool = typer.Option(False, "--all", help="Replay every record of the store that has tokens, "
+                                     "one line each."),
     model: str | None = typer.Option(None, help="Model to score with (default: the record's model; pass the checkpoint "
                                      "of that step to reproduce the trainer's weights)."),
     engine_model: str | None = typer.Option(None, help="Weights the fresh vLLM engine loads (default: --model); pass "
@@ -193,7 +210,8 @@ def replay(
     elif step is not None:
         chosen = [r for r in records if r.step == step and (row is None or r.global_row == row)][:1]
         if not chosen:
-            raise _fail(f"no record with step={step}" + (f" and row={row}" if row is not None else "") + f" in {store}; "
+            raise _fail(f"no record with step={step}"
+                        + (f" and row={row}" if row is not None else "") + f" in {store}; "
                         f"steps present: {sorted({r.step for r in records})}")
     else:
         if not 0 <= index < len(records):
@@ -209,7 +227,8 @@ def replay(
     if all_records:
         for result in results:
             record = result.record
-            console.print(f"step {record.step} row {record.global_row}: {result.pattern.line()}", highlight=False, soft_wrap=True)
+            console.print(f"step {record.step} row {record.global_row}: {result.pattern.line()}", highlight=False,
+                          soft_wrap=True)
         return
     result = results[0]
     record = result.record
@@ -220,24 +239,31 @@ def replay(
     trainer_recorded = record.trainer_logprobs or [None] * len(record.completion_ids)
     fresh = result.engine or [None] * len(record.completion_ids)
     for i, token in enumerate(record.completion_tokens):
-        table.add_row(str(i), repr(token), format_value(engine_recorded[i]), format_value(trainer_recorded[i]), format_value(result.trainer[i]), format_value(fresh[i]))
+        table.add_row(str(i), repr(token), format_value(engine_recorded[i]), format_value(trainer_recorded[i]),
+                      format_value(result.trainer[i]), format_value(fresh[i]))
     console.print(table)
-    trainer_drift = max((abs(a - b) for a, b in zip(result.trainer, trainer_recorded, strict=True) if b is not None), default=0.0)
+    trainer_drift = max((abs(a - b) for a, b in zip(result.trainer, trainer_recorded, strict=True) if b is not None),
+                        default=0.0)
     console.print(f"trainer replayed vs recorded: max |diff| {trainer_drift:.3g} nats"
-                  + ("" if trainer_drift < 1e-3 else " (other weights than at that step? pass --model <checkpoint>)"), highlight=False)
+                  + ("" if trainer_drift < 1e-3 else " (other weights than at that step? pass --model <checkpoint>)"),
+                  highlight=False)
     recorded = result.verdict_recorded
-    console.print(f"recorded engine vs replayed trainer: max |Δ| {format_value(recorded.metrics['max_abs_delta'])}, suspect: {bool(recorded.suspect[0])}",
+    console.print(f"recorded engine vs replayed trainer: max |Δ| {format_value(recorded.metrics['max_abs_delta'])}, "
+                  f"suspect: {bool(recorded.suspect[0])}",
                   highlight=False)
     if result.verdict_fresh_engine is not None:
         fresh_report = result.verdict_fresh_engine
-        console.print(f"fresh engine vs replayed trainer: max |Δ| {format_value(fresh_report.metrics['max_abs_delta'])}, "
+        console.print(f"fresh engine vs replayed trainer: max |Δ| "
+                      f"{format_value(fresh_report.metrics['max_abs_delta'])}, "
                       f"suspect: {bool(fresh_report.suspect[0])}", highlight=False)
         if bool(recorded.suspect[0]) and not bool(fresh_report.suspect[0]):
-            console.print("conclusion: a fresh engine agrees with the trainer on this prompt; the recorded engine logprobs "
-                          "came from state the prompt does not explain (stale cache, wrong context) at generation time.",
+            console.print("conclusion: a fresh engine agrees with the trainer on this prompt; the recorded engine "
+                          "logprobs came from state the prompt does not explain (stale cache, wrong context) at "
+                          "generation time.",
                           style="bold")
         elif bool(fresh_report.suspect[0]):
-            console.print("conclusion: the disagreement reproduces from the prompt alone: look at kernels, dtype or weights.",
+            console.print("conclusion: the disagreement reproduces from the prompt alone: "
+                          "look at kernels, dtype or weights.",
                           style="bold")
     console.print(result.pattern.line(), style="bold", highlight=False, soft_wrap=True)
 

@@ -75,7 +75,8 @@ class GuardConfig:
     """nats. Rule ``directional_spike``: some token that one side found likely (``spike_min_engine_logprob``,
     ``spike_min_trainer_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above its engine bucket's
     threshold: this value until the bucket is calibrated (or the batch's own reading where that is lower:
-    :func:`rollout_guard.statistics.batch_spike_thresholds`), then the run's extrapolated ``1 − α`` quantile of healthy
+    :func:`rollout_guard.statistics.batch_spike_thresholds`), then the run's extrapolated
+    ``1 − α`` quantile of healthy
     ``|x|`` (α from ``false_alarm_budget``; see :mod:`rollout_guard.calibration`), never below
     ``calibrated_spike_floor``. The other tokens, which neither side found likely, are judged too once calibrated,
     against a threshold of their own that is +inf while their healthy tail is heavy
@@ -105,8 +106,10 @@ class GuardConfig:
     policy's flattening, down to −3.6), while healthy runs put their large |Δ| (10–18 nats in 7B runs,
     allenai/open-instruct) on tokens both sides find unlikely, and healthy noise grows with a token's surprise
     (measured on the fidelity benchmark's H200 rollouts: std of Δ 0.001 nats at engine logprob > −0.1, 0.02–0.03 at
-    −3…−1), which the calibrated per-bucket thresholds absorb. Measured on the fidelity benchmark (1,000 faults per
-    condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled (top-k=5 condition 57–59 → 94–99 %),
+    −3…−1), which the calibrated per-bucket thresholds absorb.
+    Measured on the fidelity benchmark (1,000 faults per
+    condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled
+    (top-k=5 condition 57–59 → 94–99 %),
     late onset 93.5 → 96.9 %, isolated spikes 92.5 → 95.0 %, at 1–2 more false quarantines in three of the 27
     conditions (of 7,040–15,488 clean samples each) as long as the trainer side keeps its own, higher cut
     (``spike_min_trainer_logprob``). Default −3.0 (≈ ln 0.0498): the lowest edge of the engine-logprob buckets
@@ -122,7 +125,8 @@ class GuardConfig:
     """nats. A token the trainer gave at least this logprob is a ``directional_spike`` candidate too (an engine
     that returns a garbage low logprob for a token the trainer finds likely: the scan-kernel overflow's other
     direction). Higher than the engine's cut because the hybrid heavy-tail noise model lifts the trainer's logprob
-    of tokens the engine put at −5…−10 nats to −3…−2 (measured: with ln 0.05 here, 4–11 clean samples per condition
+    of tokens the engine put at −5…−10 nats to −3…−2
+    (measured: with ln 0.05 here, 4–11 clean samples per condition
     went over the threshold); at ln 0.2 that noise reaches it a few times per 10,000 samples, which the calibrated
     threshold of the bucket below −3 nats covers. Tokens under both cuts are judged against their own threshold
     (:func:`rollout_guard.calibration.unlikely_spike_threshold`: 1.5 × the |x| only 4 kept such tokens exceed, when
@@ -138,7 +142,8 @@ class GuardConfig:
     held in reserve decides. Measured once more on the engine's support (``compare_on_engine_support``; 2026-12-02,
     seed 0): ln 0.1 misses 260 instead of 320 isolated spikes for 12 instead of 6 false quarantines (worst 0.074 %,
     hybrid-7B tail), the same in four other modes (seed 1, sampling untold, dense phase 2, option off: 57–65 fewer
-    missed for 3–8 more false); one cell newly at 99.9 % in two of the five (a top-k = 5 one), none in the others: kept.
+    missed for 3–8 more false); one cell newly at 99.9 % in two of the five (a top-k = 5 one),
+    none in the others: kept.
     Default ln 0.2 ≈ −1.61."""
 
     drift_threshold: float | None = 6.0
@@ -158,7 +163,8 @@ class GuardConfig:
     clipped at 4 nats like the others, a floor of 3.0 flagged 0.16 % of the judgements of healthy rows in the
     dense-7B-tail streams (a tail token in ~1 % of rows, below the reading's 1 % anchor), so it sat at 3.5; with
     the clip at 1.5, at 2.5: 28 of 888,995 judgements of resampled healthy rows flagged (61–70 at 3.5 without the
-    clip), late-onset rows missed 387 → 280 of 27,000, moderate ones 126 → 102; at 2.0, 35, 248 and 94. Default 2.5."""
+    clip), late-onset rows missed 387 → 280 of 27,000, moderate ones 126 → 102; at 2.0, 35, 248 and 94.
+    Default 2.5."""
 
     joint_margin: float | None = 0.4
     """nats. The ``drift`` rule also fires on a sample whose two kinds of evidence both fall just short: when
@@ -318,7 +324,8 @@ class GuardConfig:
         for name in ("spike_delta", "mean_delta"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
-                raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
+                raise GuardConfigError(name, value, "use a positive finite number of nats, "
+                                       "or None to turn the rule off")
         for name in ("confident_wrong_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -329,7 +336,8 @@ class GuardConfig:
                 raise GuardConfigError(name, value, "use a finite log-probability in nats below 0, e.g. math.log(0.5)")
         if self.doubtful_logprob >= self.confident_logprob:
             raise GuardConfigError("doubtful_logprob", self.doubtful_logprob,
-                                   f"use a value below confident_logprob={self.confident_logprob:g} (a token cannot be both)")
+                                   f"use a value below confident_logprob={self.confident_logprob:g} "
+                                   f"(a token cannot be both)")
         if not (_is_number(self.calibrated_spike_floor) and 0 <= self.calibrated_spike_floor < math.inf):
             raise GuardConfigError("calibrated_spike_floor", self.calibrated_spike_floor, "use nats ≥ 0, e.g. 1.5")
         if not (_is_number(self.calibrated_drift_floor) and 0 <= self.calibrated_drift_floor < math.inf):
@@ -337,7 +345,8 @@ class GuardConfig:
         for name in ("spike_excess", "drift_threshold"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
-                raise GuardConfigError(name, value, "use a positive finite number of nats, or None to turn the rule off")
+                raise GuardConfigError(name, value, "use a positive finite number of nats, "
+                                       "or None to turn the rule off")
         if self.joint_margin is not None and not (_is_number(self.joint_margin) and 0 <= self.joint_margin < math.inf):
             raise GuardConfigError("joint_margin", self.joint_margin,
                                    "use nats ≥ 0, e.g. 0.4, or None to turn it off")
@@ -357,10 +366,13 @@ class GuardConfig:
                                    "use expected false firings per 1,000 clean samples, in (0, 1000)")
         if not (isinstance(self.calibration_warmup_tokens, int) and not isinstance(self.calibration_warmup_tokens, bool)
                 and self.calibration_warmup_tokens >= 1):
-            raise GuardConfigError("calibration_warmup_tokens", self.calibration_warmup_tokens, "use a whole number of tokens ≥ 1")
+            raise GuardConfigError("calibration_warmup_tokens", self.calibration_warmup_tokens,
+                                   "use a whole number of tokens ≥ 1")
         if not (_is_number(self.calibration_decay) and 0 < self.calibration_decay <= 1):
-            raise GuardConfigError("calibration_decay", self.calibration_decay, "use a factor in (0, 1]; 1 never forgets")
-        if not (_is_number(self.divergence_delta) and self.divergence_delta > 0 and math.isfinite(self.divergence_delta)):
+            raise GuardConfigError("calibration_decay", self.calibration_decay,
+                                   "use a factor in (0, 1]; 1 never forgets")
+        if not (_is_number(self.divergence_delta) and self.divergence_delta > 0
+                and math.isfinite(self.divergence_delta)):
             raise GuardConfigError("divergence_delta", self.divergence_delta, "use a positive finite number of nats")
         if not isinstance(self.fused_statistics, bool):
             raise GuardConfigError("fused_statistics", self.fused_statistics, "use True or False")
@@ -374,22 +386,26 @@ class GuardConfig:
                 and self.evidence_samples_per_step >= 0):
             raise GuardConfigError("evidence_samples_per_step", self.evidence_samples_per_step,
                                    "use a whole number of samples ≥ 0 (0: statistics only, no tokens)")
-        for name in ("chart_every_steps", "image_every_steps", "spike_image_min_gap_steps", "alert_baseline_steps", "alert_cooldown_steps"):
+        for name in ("chart_every_steps", "image_every_steps", "spike_image_min_gap_steps", "alert_baseline_steps",
+                     "alert_cooldown_steps"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise GuardConfigError(name, value, "use a whole number of steps ≥ 1")
         if self.max_quarantine_share is not None and not (
             _is_number(self.max_quarantine_share) and 0.0 < self.max_quarantine_share <= 1.0
         ):
-            raise GuardConfigError("max_quarantine_share", self.max_quarantine_share, "use a share in (0, 1], or None to turn the breaker off")
-        if not (isinstance(self.ceiling_steps, int) and not isinstance(self.ceiling_steps, bool) and self.ceiling_steps >= 1):
+            raise GuardConfigError("max_quarantine_share", self.max_quarantine_share,
+                                   "use a share in (0, 1], or None to turn the breaker off")
+        if not (isinstance(self.ceiling_steps, int) and not isinstance(self.ceiling_steps, bool)
+                and self.ceiling_steps >= 1):
             raise GuardConfigError("ceiling_steps", self.ceiling_steps, "use a whole number of steps ≥ 1")
         if self.on_ceiling not in ON_CEILING:
             raise GuardConfigError("on_ceiling", self.on_ceiling, f"use one of {ON_CEILING}")
         if not isinstance(self.strict, bool):
             raise GuardConfigError("strict", self.strict, "use True or False")
         if not (_is_number(self.alert_jump) and math.isfinite(self.alert_jump) and self.alert_jump >= 1.0):
-            raise GuardConfigError("alert_jump", self.alert_jump, "use a factor ≥ 1 (3.0 alerts at three times the baseline)")
+            raise GuardConfigError("alert_jump", self.alert_jump,
+                                   "use a factor ≥ 1 (3.0 alerts at three times the baseline)")
         if not (_is_number(self.alert_min_share) and 0.0 <= self.alert_min_share <= 1.0):
             raise GuardConfigError("alert_min_share", self.alert_min_share, "use a share between 0 and 1")
 

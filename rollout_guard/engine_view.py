@@ -21,14 +21,16 @@ logger = logging.getLogger("rollout_guard")
 
 ENGINE_PREFIX = "engine/"
 # per-step values the engine chart draws, with the mismatch values next to them
-HISTORY_KEYS = ("max_abs_delta", "quarantined_share", "suspect_share", "engine/kv_cache_usage_max", "engine/kv_cache_usage_mean",
-                "engine/running_requests_max", "engine/waiting_requests_max", "engine/weight_version", "engine/preemptions",
+HISTORY_KEYS = ("max_abs_delta", "quarantined_share", "suspect_share", "engine/kv_cache_usage_max",
+                "engine/kv_cache_usage_mean", "engine/running_requests_max", "engine/waiting_requests_max",
+                "engine/weight_version", "engine/preemptions",
                 "engine/prefix_cache_hit_share", "engine/kv_cache_usage", "engine/running_requests")
 SAMPLES_FILE = "engine_samples.jsonl"
 
 
 def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else math.nan
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        else math.nan
 
 
 def engine_history(metrics_rows: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
@@ -111,7 +113,8 @@ class EngineContextSink:
     step's metrics (``metrics.jsonl``, W&B, trackio). ``source``: returns the latest step's engine context (an object
     with ``rows``, ``injected``); ``wandb``: also send the charts to the active W&B run."""
 
-    def __init__(self, directory: str | Path, source: Callable[[], Any], chart_every_steps: int = 50, wandb: bool = False) -> None:
+    def __init__(self, directory: str | Path, source: Callable[[], Any], chart_every_steps: int = 50,
+                 wandb: bool = False) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.source = source
@@ -175,8 +178,9 @@ class EngineContextSink:
 def engine_summary(engine: dict[str, Any] | None) -> str:
     """A record's engine context in one line (report tables), fields absent from the record shown as '–'.
 
-    >>> engine_summary({"name": "vllm", "rollout": {"weight_version": 3, "kv_cache_usage_max": 0.0123, "running_requests_max": 16,
-    ...                 "cached_tokens": 0, "prompt_tokens": 13, "preemptions": None, "scheduled_s": 0.5, "last_token_s": 1.25}})
+    >>> engine_summary({"name": "vllm", "rollout": {"weight_version": 3, "kv_cache_usage_max": 0.0123,
+    ...                 "running_requests_max": 16, "cached_tokens": 0, "prompt_tokens": 13, "preemptions": None,
+    ...                 "scheduled_s": 0.5, "last_token_s": 1.25}})
     'weights v3 · KV cache ≤ 1.23 % · running ≤ 16 · prefix hit 0/13 · preempted – · ran 0.5–1.25 s'
     >>> engine_summary({"name": "transformers"})
     '–'
@@ -189,7 +193,9 @@ def engine_summary(engine: dict[str, Any] | None) -> str:
         return "–" if value is None else fmt.format(value)
 
     usage = context.get("kv_cache_usage_max")
-    return (f"weights v{show(context.get('weight_version'))} · KV cache ≤ {show(None if usage is None else 100 * usage, '{:.3g} %')} · "
-            f"running ≤ {show(context.get('running_requests_max'))} · prefix hit {show(context.get('cached_tokens'))}/"
+    return (f"weights v{show(context.get('weight_version'))} · KV cache ≤ "
+            f"{show(None if usage is None else 100 * usage, '{:.3g} %')} · "
+            f"running ≤ {show(context.get('running_requests_max'))} · "
+            f"prefix hit {show(context.get('cached_tokens'))}/"
             f"{show(context.get('prompt_tokens'))} · preempted {show(context.get('preemptions'))} · "
             f"ran {show(context.get('scheduled_s'), '{:.3g}')}–{show(context.get('last_token_s'), '{:.3g}')} s")

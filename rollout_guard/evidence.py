@@ -53,11 +53,14 @@ class RolloutEvidence:
         """Return self after checking structure; raises GuardInputError naming the first bad field."""
         mask = self.mask
         if not isinstance(mask, torch.Tensor):
-            raise GuardInputError("mask", f"expected a torch.Tensor, got {type(mask).__name__}", "pass the (B, T) loss mask")
+            raise GuardInputError("mask", f"expected a torch.Tensor, got {type(mask).__name__}",
+                                  "pass the (B, T) loss mask")
         if mask.dim() != 2:
-            raise GuardInputError("mask", f"expected 2 dimensions (B, T), got shape {tuple(mask.shape)}", "pass the (B, T) loss mask")
+            raise GuardInputError("mask", f"expected 2 dimensions (B, T), got shape {tuple(mask.shape)}",
+                                  "pass the (B, T) loss mask")
         if mask.is_floating_point() or mask.is_complex():
-            raise GuardInputError("mask", f"expected bool or integer dtype, got {mask.dtype}", "pass mask.bool() or mask.long()")
+            raise GuardInputError("mask", f"expected bool or integer dtype, got {mask.dtype}",
+                                  "pass mask.bool() or mask.long()")
         if self.engine_logprobs is None and self.trainer_logprobs is None:
             raise GuardInputError(
                 "engine_logprobs/trainer_logprobs", "both are missing", "pass at least one of the two logprob tensors"
@@ -67,7 +70,8 @@ class RolloutEvidence:
             if value is None:
                 continue
             if not isinstance(value, torch.Tensor):
-                raise GuardInputError(name, f"expected a torch.Tensor, got {type(value).__name__}", "pass a (B, T) float tensor")
+                raise GuardInputError(name, f"expected a torch.Tensor, got {type(value).__name__}",
+                                      "pass a (B, T) float tensor")
             if tuple(value.shape) != tuple(mask.shape):
                 raise GuardInputError(
                     name,
@@ -77,9 +81,11 @@ class RolloutEvidence:
             if not value.is_floating_point():
                 raise GuardInputError(name, f"expected a floating dtype, got {value.dtype}", f"pass {name}.float()")
             if value.device != mask.device:
-                raise GuardInputError(name, f"on {value.device} but mask is on {mask.device}", "move both to one device")
+                raise GuardInputError(name, f"on {value.device} but mask is on {mask.device}",
+                                      "move both to one device")
         if self.injected is not None and tuple(self.injected.shape) != (mask.shape[0],):
             raise GuardInputError(
-                "injected", f"expected shape ({mask.shape[0]},), got {tuple(self.injected.shape)}", "pass one flag per sample"
+                "injected", f"expected shape ({mask.shape[0]},), got {tuple(self.injected.shape)}",
+                "pass one flag per sample"
             )
         return self

@@ -87,7 +87,8 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
                float(config.spike_min_engine_logprob), *map(float, ENGINE_BUCKET_EDGES), *map(float, EXCESS_CLIP),
-               _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens), _threshold(config.nonfinite_trainer_tokens),
+               _K3_LOG_RATIO_CAP, _threshold(config.nonfinite_engine_tokens),
+               _threshold(config.nonfinite_trainer_tokens),
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
                _threshold(drift), float(config.spike_min_trainer_logprob), UNLIKELY_STEP_CLIP,
                _threshold(config.joint_drift_limit), float(config.joint_drift_weight)]
@@ -109,7 +110,8 @@ def with_centres(table: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
 _EDGE_VALUES = DELTA_BIN_EDGES.float().tolist() + torch.tensor(EXCESS_EDGES, dtype=torch.float32).tolist()
 
 
-def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | torch.Tensor, block: int = BLOCK,
+def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | torch.Tensor,
+                 block: int = BLOCK,
                  num_warps: int = NUM_WARPS, histograms: bool = True,
                  drift_threshold: float | None = None) -> torch.Tensor:
     """The packet of :func:`rollout_guard.packet.reference_packet`, from one kernel launch (status 1, check
@@ -124,7 +126,8 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
     device = mask.device
     layout = PacketLayout(batch)
     out = torch.zeros(layout.size, dtype=packet_dtype(device), device=device)
-    out[layout.aggregates.start + MAX_AGGREGATES[0] : layout.aggregates.start + MAX_AGGREGATES[-1] + 1] = -math.inf  # maxima
+    # maxima
+    out[layout.aggregates.start + MAX_AGGREGATES[0] : layout.aggregates.start + MAX_AGGREGATES[-1] + 1] = -math.inf
     if batch == 0:
         out[0] = 1.0
         return out
@@ -141,7 +144,8 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
     parameters = (thresholds if isinstance(thresholds, torch.Tensor)
                   else kernel_parameters(config, thresholds, device, drift_threshold))
     _kernel()[(batch,)](
-        mask, engine, trainer, injected, parameters, out, length, batch, mask.stride(0), engine.stride(0), trainer.stride(0),
+        mask, engine, trainer, injected, parameters, out, length, batch, mask.stride(0), engine.stride(0),
+        trainer.stride(0),
         HAS_ENGINE=evidence.has_engine, HAS_TRAINER=evidence.has_trainer, HAS_INJECTED=evidence.injected is not None,
         SPIKE_RULE=config.spike_excess is not None, NUM_DELTA=NUM_DELTA_BINS, NUM_EXCESS=NUM_EXCESS_BINS,
         CAL_WIDTH=CALIBRATION_WIDTH, WIDTH=len(SAMPLE_COLUMNS), BLOCK=block, HISTOGRAMS=histograms, num_warps=num_warps,

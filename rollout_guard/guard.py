@@ -23,7 +23,8 @@ from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
-from rollout_guard.packet import PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet, step_metrics
+from rollout_guard.packet import PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet, \
+    step_metrics
 from rollout_guard.statistics import (
     CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, batch_thresholds,
 )
@@ -55,7 +56,8 @@ class StepReport:
     metrics: dict[str, float] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)
     skipped: bool = False  # the guard failed on some rank this step; the batch passes through unguarded
-    stop_training: str | None = None  # the circuit breaker's reason to stop (quarantine mode, on_ceiling "stop"/"raise")
+    # the circuit breaker's reason to stop (quarantine mode, on_ceiling "stop"/"raise")
+    stop_training: str | None = None
     check_failed_on: list[int] = field(default_factory=list)  # ranks whose adapter check failed (see inspect)
     drift_threshold: float | None = None  # nats: the drift threshold this step was judged with (calibrated)
 
@@ -221,7 +223,8 @@ class RolloutGuard:
                                       self.calibration.row_scaling(evidence.device))
         return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
 
-    def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
+    def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
+               started: float) -> StepReport:
         layout = PacketLayout(batch)
         width = layout.width
         # the one host sync: statuses, check flags, statistics, verdicts, histogram and calibration in one copy
@@ -265,7 +268,8 @@ class RolloutGuard:
         self._update_totals(report)
         return report
 
-    def _failed_step(self, step: int, batch: int, statuses: torch.Tensor, error: BaseException | None, started: float) -> StepReport:
+    def _failed_step(self, step: int, batch: int, statuses: torch.Tensor, error: BaseException | None,
+                     started: float) -> StepReport:
         failed = [rank for rank, status in enumerate(statuses.tolist()) if status != STATUS_OK]
         structural = bool((statuses == STATUS_INPUT_ERROR).any())
         where = f"on process(es) {failed}" if failed else "after the gather"
@@ -279,9 +283,11 @@ class RolloutGuard:
         world = max(len(statuses), 1)
         empty = torch.zeros(world * batch, dtype=torch.bool)
         report = StepReport(
-            step=step, samples=torch.full((world * batch, len(SAMPLE_COLUMNS)), math.nan, dtype=torch.float64), suspect=empty,
+            step=step, samples=torch.full((world * batch, len(SAMPLE_COLUMNS)), math.nan, dtype=torch.float64),
+            suspect=empty,
             reasons=torch.zeros(world * batch, dtype=torch.int32), quarantined=empty,
-            delta_histogram=torch.zeros(NUM_DELTA_BINS, dtype=torch.int64), local_rows=slice(self.process_index * batch, (self.process_index + 1) * batch),
+            delta_histogram=torch.zeros(NUM_DELTA_BINS, dtype=torch.int64),
+            local_rows=slice(self.process_index * batch, (self.process_index + 1) * batch),
             local_quarantined=torch.zeros(batch, dtype=torch.bool, device=self.device), skipped=True,
         )
         self.last_guard_seconds = time.perf_counter() - started
@@ -299,20 +305,24 @@ class RolloutGuard:
             return
         reason = (
             f"{share:.0%} of the rollouts at step {report.step} were suspect, above max_quarantine_share="
-            f"{config.max_quarantine_share:g} for {totals.steps_above_ceiling} step(s) in a row: the engine itself looks broken "
+            f"{config.max_quarantine_share:g} for {totals.steps_above_ceiling} step(s) in a row: "
+            f"the engine itself looks broken "
             f"(max |Δ| {report.metrics['max_abs_delta']:.3g} nats), not one sample"
         )
         if config.on_ceiling in ("stop", "raise") and config.quarantines:  # monitor mode never stops training
-            report.stop_training = (f"rollout_guard stopped training: {reason}. Check the engine (weight sync, cache state, "
+            report.stop_training = (f"rollout_guard stopped training: {reason}. "
+                                    f"Check the engine (weight sync, cache state, "
                                     "version) before resuming; the quarantine store holds the evidence.")
             totals.stopped = report.stop_training
             alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
-                                                f"rollout_guard stopped training at step {report.step}", report.stop_training, throttle=False)
+                                                f"rollout_guard stopped training at step {report.step}",
+                                                report.stop_training, throttle=False)
         else:
             if not config.quarantines:
                 reason += "; monitor mode: training goes on"
             alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
-                                                f"rollout_guard: engine looks broken at step {report.step}", reason, throttle=True)
+                                                f"rollout_guard: engine looks broken at step {report.step}", reason,
+                                                throttle=True)
         if alert is not None:
             report.alerts.append(alert)
 

@@ -84,7 +84,8 @@ def shuffled_body(prompt: Sequence[int], generator: torch.Generator) -> list[int
     return shuffled + prompt[body:]
 
 
-def foreign_context(prompts: Sequence[Sequence[int]], row: int, group_size: int, pool: ContextPool | None = None) -> list[int]:
+def foreign_context(prompts: Sequence[Sequence[int]], row: int, group_size: int,
+                    pool: ContextPool | None = None) -> list[int]:
     """The prompt of the same position in the next group (another request); without one, a prompt from ``pool``
     (earlier steps) or the own prompt with its body shuffled (:class:`ContextPool`)."""
     return (pool or ContextPool()).foreign(prompts[row], prompts, row, group_size)

@@ -161,13 +161,15 @@ def combine_aggregates(per_rank: list[list[float]]) -> dict[str, float]:
     return combined
 
 
-def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Tensor, quarantines: bool) -> dict[str, float]:
+def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Tensor,
+                 quarantines: bool) -> dict[str, float]:
     """The per-step metrics from the combined aggregates: what :func:`rollout_guard.statistics.step_aggregates`
     computes from the sample table, plus suspect/quarantined counts and shares, rule counts and, when the batch
     is labelled by an injector, caught/missed/false alarms."""
     a = aggregates
     metrics = {"samples": float(samples)}
-    for name in ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens",
+    for name in ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens",
+                 "nonfinite_trainer_tokens",
                  "max_abs_delta", "engine_max_logprob", "trainer_max_logprob"):
         metrics[name] = a[name]
     for name, _ in _MEANS:

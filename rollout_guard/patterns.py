@@ -51,9 +51,11 @@ class Pattern:
     fresh_engine_reproduces: bool | None  # None: no fresh-engine score given
 
     def line(self) -> str:
-        """One line for a terminal, e.g. ``pattern: late onset (token 12 of 16, 4 high tokens, max |Δ| 6.1 nats): drift or cache growth``."""
+        """One line for a terminal, e.g.
+        ``pattern: late onset (token 12 of 16, 4 high tokens, max |Δ| 6.1 nats): drift or cache growth``."""
         where = f"token {self.onset} of {self.tokens}, " if self.onset >= 0 else ""
-        return (f"pattern: {self.name.replace('_', ' ')} ({where}{self.high_tokens} high tokens, max |Δ| {self.max_abs_delta:.3g} "
+        return (f"pattern: {self.name.replace('_', ' ')} ({where}{self.high_tokens} high tokens, "
+                f"max |Δ| {self.max_abs_delta:.3g} "
                 f"nats): {CAUSES[self.name]}")
 
 
@@ -104,7 +106,8 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
 
     Persistent means: high on at least ``persistence`` of the tokens from the onset on, and either more than
     ``spike_max_tokens`` high tokens, or at least two consecutive high tokens, or every token high. Otherwise the
-    high tokens are isolated spikes. A fresh engine that reproduces the disagreement (high on at least half of the high tokens)
+    high tokens are isolated spikes. A fresh engine that reproduces the disagreement
+    (high on at least half of the high tokens)
     means the prompt alone explains it (weights, dtype, kernels): a persistent one from the start is then
     ``every_token``. One that a fresh engine does not reproduce came from state at generation time
     (``divergent_from_start``, ``late_onset``); without a fresh engine the two cannot be told apart and a

@@ -65,7 +65,8 @@ class QuarantineRecord:
     @classmethod
     def from_json_dict(cls, data: dict[str, Any]) -> QuarantineRecord:
         known = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
+        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING
+                   and f.default_factory is MISSING]
         if missing:
             raise ValueError(f"quarantine record lacks {missing}")
         return cls(**{key: value for key, value in data.items() if key in known})

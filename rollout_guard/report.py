@@ -110,26 +110,30 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         sections.append(f"<h2>|Δ| per step</h2>{_img(chart, 'spike chart')}")
         histograms = [row["delta_histogram"] for row in metrics if row.get("delta_histogram")]
         if histograms and len(histograms) == len(metrics):
-            heatmap = delta_heatmap([row["step"] for row in metrics], histograms, DELTA_BIN_EDGES.tolist(), figures / "histogram.png")
+            heatmap = delta_heatmap([row["step"] for row in metrics], histograms, DELTA_BIN_EDGES.tolist(),
+                                    figures / "histogram.png")
             sections.append(f"<h2>Token |Δ| histogram per step</h2>{_img(heatmap, 'histogram heatmap')}")
     sections.extend(_engine_sections(run_dir, metrics, figures))
     if problems:
         items = "".join(f"<li>{html.escape(problem)}</li>" for problem in problems)
         sections.append(f"<h2>Unreadable lines skipped ({len(problems)})</h2><ul>{items}</ul>")
     if alerts:
-        items = "".join(f"<li><b>step {a['step']}</b>: {html.escape(a['title'])}<br><small>{html.escape(a['text'])}</small></li>" for a in alerts)
+        items = "".join(f"<li><b>step {a['step']}</b>: {html.escape(a['title'])}<br>"
+                        f"<small>{html.escape(a['text'])}</small></li>" for a in alerts)
         sections.append(f"<h2>Alerts ({len(alerts)})</h2><ul>{items}</ul>")
     # token by token needs the tokens: records without them (beyond evidence_samples_per_step) are tabled only
     worst = sorted((record for record in records if record.full_evidence),
                    key=lambda record: -(record.stats.get("max_abs_delta") or 0.0))[:top]
     if worst:
         plots = "".join(
-            _img(token_chart(record, figures / f"worst_{index:02d}_step{record.step}_row{record.global_row}.png"), f"rollout {record.global_row}")
+            _img(token_chart(record, figures / f"worst_{index:02d}_step{record.step}_row{record.global_row}.png"),
+                 f"rollout {record.global_row}")
             for index, record in enumerate(worst)
         )
         sections.append(f"<h2>Worst {len(worst)} samples, token by token</h2>{plots}")
     if records:
-        header = ("step", "rollout", "action", "rules", "prompt", "completion", "reward", "max |Δ|", "mean |Δ|", "first divergent", "injected",
+        header = ("step", "rollout", "action", "rules", "prompt", "completion", "reward", "max |Δ|", "mean |Δ|",
+                  "first divergent", "injected",
                   "engine context")
         body = []
         for record in records:
@@ -138,8 +142,9 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
             if first is not None and 0 <= first < len(record.completion_tokens):
                 first_text = f"#{int(first)} {record.completion_tokens[int(first)]!r}"
             completion = record.completion_text if record.full_evidence else STATISTICS_ONLY
-            cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text, completion,
-                     record.reward, _nan(record.stats.get("max_abs_delta")), _nan(record.stats.get("mean_abs_delta")), first_text, record.injected,
+            cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text,
+                     completion, record.reward, _nan(record.stats.get("max_abs_delta")),
+                     _nan(record.stats.get("mean_abs_delta")), first_text, record.injected,
                      engine_summary(record.engine))
             body.append("<tr>" + "".join(f"<td>{html.escape(format_value(cell))}</td>" for cell in cells) + "</tr>")
         sections.append(
@@ -156,13 +161,15 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         "records without tokens": sum(not record.full_evidence for record in records),
         "unreadable lines skipped": len(problems),
     }
-    summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>" for k, v in summary.items())
+    summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>"
+                           for k, v in summary.items())
     config_html = html.escape(json.dumps(config, indent=1))
     stopped_html = (f'<p class="stopped"><b>TRAINING WAS STOPPED by the circuit breaker</b> (the run did not finish as '
                     f'planned): {html.escape(str(stopped))}</p>' if stopped else "")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout_guard report</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} img{{max-width:100%;display:block;margin:8px 0}}
-table{{border-collapse:collapse;font-size:13px}} td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}}
+table{{border-collapse:collapse;font-size:13px}} td,th{{border:1px solid #ccc;padding:3px 6px;\
+text-align:left;vertical-align:top}}
 td{{font-family:monospace;white-space:pre-wrap;max-width:420px}}
 .stopped{{background:#fde0dc;border:2px solid #d62728;padding:10px;font-size:16px}}</style></head><body>
 <h1>rollout_guard report</h1><p>{html.escape(str(run_dir))}</p>{stopped_html}<table>{summary_html}</table>

@@ -35,7 +35,8 @@ class Sink(Protocol):
 
 def finite_metrics(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
     """The finite numbers of a metrics dict, keys prefixed (what trackers can plot)."""
-    return {f"{prefix}{key}": value for key, value in metrics.items() if isinstance(value, (int, float)) and math.isfinite(value)}
+    return {f"{prefix}{key}": value for key, value in metrics.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)}
 
 
 def _step_after(line: bytes, step: int) -> bool:
@@ -128,16 +129,19 @@ class StepTableSink:
             value = values.get(key)
             if key == "guard_seconds" and value is not None:
                 value = value * 1000
-            text = "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else fmt.format(value)
+            text = "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) \
+                else fmt.format(value)
             cells.append(f"{text:>11}")
         return "".join(cells)
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
         if not self._header_printed:
-            self.console.print("".join(f"{title:>11}" for _, title, _ in self.COLUMNS), style="bold", highlight=False, soft_wrap=True)
+            self.console.print("".join(f"{title:>11}" for _, title, _ in self.COLUMNS), style="bold", highlight=False,
+                               soft_wrap=True)
             self._header_printed = True
         style = "red" if report.metrics.get("suspect") else None
-        self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False, soft_wrap=True)
+        self.console.print(self._row({"step": report.step, **report.metrics}), style=style, highlight=False,
+                           soft_wrap=True)
 
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         pass

@@ -39,7 +39,8 @@ SAMPLE_COLUMNS = (
 COLUMN = {name: index for index, name in enumerate(SAMPLE_COLUMNS)}
 
 # |Δ| histogram: [0, 1e-6) then 8 bins per decade up to 100 nats, then [100, inf).
-DELTA_BIN_EDGES = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, 2, 8 * 8 + 1, dtype=torch.float64)])
+DELTA_BIN_EDGES = torch.cat([torch.zeros(1, dtype=torch.float64),
+                             torch.logspace(-6, 2, 8 * 8 + 1, dtype=torch.float64)])
 NUM_DELTA_BINS = DELTA_BIN_EDGES.numel()  # the last bin is the overflow bin [100, inf)
 
 # Engine-logprob buckets (nats): (<−3), [−3, −1.5), [−1.5, −0.5), [−0.5, 0]. Healthy mismatch grows with a
@@ -168,7 +169,8 @@ def spike_per_row(spike: torch.Tensor, scaling: RowScaling | None, candidates: t
 
     .. math:: t_{r,k} = \\max\\big(\\textit{floor},\\ t_k + s_k \\ln(\\max(n_r, 1) / \\bar n)\\big)
 
-    with ``t_k`` the bucket's threshold read at ``α = β / 1000 / n̄`` (``n̄`` the mean row's spike candidates), ``s_k``
+    with ``t_k`` the bucket's threshold read at ``α = β / 1000 / n̄``
+    (``n̄`` the mean row's spike candidates), ``s_k``
     the slope of that reading in ``ln(1/α)`` (:func:`rollout_guard.calibration.extrapolated_quantile` is linear
     there) and ``n_r`` the row's candidates: a row of ``n_r`` candidates is read at ``β / 1000 / n_r``, so every row
     has the same expected false firings, and a short row (few tokens to fire by chance) is judged closer to its
@@ -212,7 +214,8 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     allowance, where the batch holds enough of their tokens (:data:`BATCH_CENTRE_MIN_TOKENS`):
 
     .. math:: c_k = \\operatorname{median}_{i \\in k} \\operatorname{clip}(d_i),\\qquad
-              a_k = \\min\\Big(a_w,\\ \\max\\Big(\\textit{drift\\_allowance},\\ \\frac{\\sigma_k^2\\,\\ln(1000\\,L/\\beta)}{2h}\\Big)\\Big)
+              a_k = \\min\\Big(a_w,\\ \\max\\Big(\\textit{drift\\_allowance},
+              \\ \\frac{\\sigma_k^2\\,\\ln(1000\\,L/\\beta)}{2h}\\Big)\\Big)
 
     with ``d = engine − trainer`` over this process's compared tokens of bucket ``k``, clipped to
     :data:`EXCESS_CLIP` and rounded to a grid of :data:`BATCH_CENTRE_GRID` cells (one histogram gives all three);
@@ -239,12 +242,14 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     (:func:`batch_spike_thresholds`, around the centre it is judged with, never below ``spike_floor``), where the
     batch holds enough of its tokens; only above the lowest bucket (engine logprob ≥ −3 nats), where every token is
     a spike candidate at the default ``spike_min_engine_logprob`` (−3 nats; a higher cut would let this reading
-    count some non-candidates), so the histogram of all its tokens is the candidates'. Until then such a bucket was judged by
+    count some non-candidates), so the histogram of all its tokens is the candidates'.
+    Until then such a bucket was judged by
     the fixed ``spike_excess`` (4 nats): a 3-nat spike in a quiet run went unseen in the first steps of a run and
     after each change of the sampling settings (measured on the fidelity benchmark: single spikes missed 46 → 32 of
     27,000, no more false quarantines). The reading leaves out the rows the thresholds in use already flag (a token
     of a bucket above the lowest at least its spike threshold, the mean row's, from its centre; a second histogram
-    of the rows left): a corrupted row's many moderately-off tokens lifted the batch's 1 % point and the reading with it, so
+    of the rows left): a corrupted row's many moderately-off tokens lifted the batch's 1 % point
+    and the reading with it, so
     that a step with a few corrupted rows kept the fixed 4 nats (measured on the fidelity benchmark, 1,000 faults
     per condition: single spikes missed 20 → 8, late onset 116 → 102, isolated spikes 354 → 347 of 27,000; false
     quarantines 7 → 7, flagged resampled judgements 19 → 20).
@@ -393,7 +398,8 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
     def pad(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else torch.nn.functional.pad(tensor, (0, 1))
 
-    return RolloutEvidence(pad(evidence.mask), pad(evidence.engine_logprobs), pad(evidence.trainer_logprobs), evidence.injected)
+    return RolloutEvidence(pad(evidence.mask), pad(evidence.engine_logprobs), pad(evidence.trainer_logprobs),
+                           evidence.injected)
 
 
 def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | None = None,
@@ -458,8 +464,10 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
         "trainer_mean_logprob": _masked_mean(trainer, trainer_ok),
         "confident_wrong_tokens": confident_wrong.sum(dim=-1),
         "first_divergent_token": first_divergent,
-        "nonfinite_engine_tokens": (valid & ~torch.isfinite(engine)).sum(dim=-1) if evidence.has_engine else zeros[:, 0],
-        "nonfinite_trainer_tokens": (valid & ~torch.isfinite(trainer)).sum(dim=-1) if evidence.has_trainer else zeros[:, 0],
+        "nonfinite_engine_tokens": (valid & ~torch.isfinite(engine)).sum(dim=-1) if evidence.has_engine
+                                   else zeros[:, 0],
+        "nonfinite_trainer_tokens": (valid & ~torch.isfinite(trainer)).sum(dim=-1) if evidence.has_trainer
+                                    else zeros[:, 0],
         "injected": evidence.injected.float() if evidence.injected is not None else nan_row,
         "spike_margin": spike_margin,
         "drift_cusum": torch.where(compared > 0, drift, nan_row),
@@ -550,7 +558,8 @@ def histogram_quantile(counts: torch.Tensor, q: float) -> float:
 _EDGES = DELTA_BIN_EDGES.tolist()
 _MAX_COLUMNS = ("max_abs_delta", "engine_max_logprob", "trainer_max_logprob")
 _MEAN_COLUMNS = ("mean_abs_delta", "kl_k3", "engine_mean_logprob", "trainer_mean_logprob")
-_SUM_COLUMNS = ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens")
+_SUM_COLUMNS = ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens",
+                "nonfinite_trainer_tokens")
 
 
 def step_aggregates(samples: torch.Tensor, histogram: torch.Tensor) -> dict[str, float]:

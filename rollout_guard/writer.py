@@ -46,7 +46,8 @@ class BackgroundWriter:
         self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
         # the thread's function holds no reference to self, so that the finalizer can run when self is collected
-        self._thread = threading.Thread(target=_work, args=(self._queue, self._errors, self._lock), name=name, daemon=True)
+        self._thread = threading.Thread(target=_work, args=(self._queue, self._errors, self._lock), name=name,
+                                        daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._queue, self._thread)
 

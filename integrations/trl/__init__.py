@@ -35,27 +35,34 @@ One concern per module:
 ``attach``: ``attach_guard`` and ``TrlGuard``, the wrapped methods and the callback (attach and lifecycle).
 ``batch``: pure transforms of TRL's batch (evidence in it, the quarantine action) and the advantage replica check.
 ``sampling``: what the engine's processed logprobs mean under the trainer's sampling settings.
-``records``: evidence records of suspect samples. ``engine_context``: the vLLM engine's context of each rollout. ``checkpoint``: the guard's state next to TRL checkpoints.
+``records``: evidence records of suspect samples. ``engine_context``: the vLLM engine's context of each rollout.
+``checkpoint``: the guard's state next to TRL checkpoints.
 ``fault_injection``: stale-context corruption of vLLM rollouts. ``capture``: host copies of each step, for tests.
-``versions``: installed TRL/vLLM/transformers versions (the supported range: ``rollout_guard.integrations.trl_versions``).
+``versions``: installed TRL/vLLM/transformers versions (the supported range:
+``rollout_guard.integrations.trl_versions``).
 """
 
 from rollout_guard.extras import require_extra
 
 require_extra("rollout_guard.integrations.trl", ("trl", "transformers", "accelerate"), "trl")
 
-from rollout_guard.integrations.trl.attach import TRL_METRIC_KEYS, TRL_METRIC_PREFIX, TrlGuard, attach_guard, default_sinks
+from rollout_guard.integrations.trl.attach import TRL_METRIC_KEYS, TRL_METRIC_PREFIX, TrlGuard, attach_guard, \
+    default_sinks
 from rollout_guard.integrations.trl.batch import (
-    NEUTRAL_FILL, GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs, require,
+    NEUTRAL_FILL, GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs,
+    require,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, host_tensors
 from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state
-from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, enable_vllm_engine_stats
+from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, \
+    enable_vllm_engine_stats
 from rollout_guard.integrations.trl.fault_injection import StaleContextInjector, inject_stale_context
 from rollout_guard.integrations.trl.records import build_records, decode_records
 
 __all__ = [
-    "EngineContextCollector", "STATE_FILE", "StepEngineContext", "TRL_METRIC_KEYS", "TRL_METRIC_PREFIX", "GroupSettings", "GuardedStep", "StaleContextInjector", "TrlGuard", "attach_guard",
-    "NEUTRAL_FILL", "build_records", "check_action_inputs", "decode_records", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
-    "enable_vllm_engine_stats", "load_state", "loss_mask_of", "quarantine_batch", "replica_differs", "require", "save_state",
+    "EngineContextCollector", "STATE_FILE", "StepEngineContext", "TRL_METRIC_KEYS", "TRL_METRIC_PREFIX",
+    "GroupSettings", "GuardedStep", "StaleContextInjector", "TrlGuard", "attach_guard", "NEUTRAL_FILL", "build_records",
+    "check_action_inputs", "decode_records", "default_sinks", "evidence_of", "host_tensors", "inject_stale_context",
+    "enable_vllm_engine_stats", "load_state", "loss_mask_of", "quarantine_batch", "replica_differs", "require",
+    "save_state",
 ]

@@ -21,11 +21,13 @@ from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.integrations.trl import checkpoint as checkpoint_state
 from rollout_guard.integrations.trl.batch import (
-    GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs, replica_mismatch_message,
+    GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs,
+    replica_mismatch_message,
     require, truncated_judged_mask, truncated_rows,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
-from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, add_context_to_records
+from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, \
+    add_context_to_records
 from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, sampling_settings
 from rollout_guard.integrations.trl.support import SupportCapture, describe, support_settings
@@ -39,7 +41,8 @@ logger = logging.getLogger("rollout_guard")
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
 TRL_METRIC_PREFIX = "rollout_guard_window_mean/"
-TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined", "guard_seconds",
+TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined",
+                   "guard_seconds",
                    "overhead_seconds")
 
 
@@ -68,7 +71,8 @@ class TrlGuard:
             raise GuardError(f"attach_guard(trainer, config={config!r}): config must be a GuardConfig, e.g. "
                              f"attach_guard(trainer, GuardConfig(mode='monitor'))")
         if sinks is not None and not (isinstance(sinks, (list, tuple)) and all(hasattr(s, "on_step") for s in sinks)):
-            raise GuardError(f"attach_guard(trainer, sinks={sinks!r}): sinks must be a list of sinks (objects with on_records, "
+            raise GuardError(f"attach_guard(trainer, sinks={sinks!r}): sinks must be a list of sinks "
+                             f"(objects with on_records, "
                              "on_step and on_end), e.g. [LocalFilesSink(folder, config)], or None for the defaults")
         if not isinstance(keep_steps, bool):
             raise GuardError(f"attach_guard(trainer, keep_steps={keep_steps!r}): use True or False")
@@ -99,8 +103,10 @@ class TrlGuard:
                 from rollout_guard.engine_view import EngineContextSink
 
                 report_to = trainer.args.report_to
-                sinks.append(EngineContextSink(self.output_dir, lambda: self._engine_step, self.config.chart_every_steps,
-                                               wandb="wandb" in ([report_to] if isinstance(report_to, str) else list(report_to or []))))
+                sinks.append(EngineContextSink(self.output_dir, lambda: self._engine_step,
+                                               self.config.chart_every_steps,
+                                               wandb="wandb" in ([report_to] if isinstance(report_to, str)
+                                                                 else list(report_to or []))))
         self.sinks = list(sinks)
         # the sinks' per-step work runs on this thread, off the training thread (main process only)
         self.writer: BackgroundWriter | None = BackgroundWriter() if self.is_main_process and self.sinks else None
@@ -133,7 +139,8 @@ class TrlGuard:
         support = support_settings(trainer) if two_sided and self.config.compare_on_engine_support else None
         self.support = SupportCapture(trainer, support) if support is not None else None
         self._support_mass: torch.Tensor | None = None  # (B, K) of TRL's own pass this step
-        self.last_truncated_pass: dict[str, float] | None = None  # rows, tokens, seconds of the latest truncated-row pass
+        # rows, tokens, seconds of the latest truncated-row pass
+        self.last_truncated_pass: dict[str, float] | None = None
 
         self._original_generate_and_score = trainer._generate_and_score_completions
         self._original_calculate_rewards = trainer._calculate_rewards
@@ -152,7 +159,8 @@ class TrlGuard:
                 "rollout_guard: use_vllm=False: the rollouts come from the trainer's own model, so there is no engine "
                 "to disagree with and the guard checks NON-FINITE VALUES ONLY, in the trainer logprobs TRL computes "
                 "itself; it runs no extra forward pass. " + (
-                    "TRL computes none in this setup (gradient_accumulation_steps is a multiple of steps_per_generation "
+                    "TRL computes none in this setup (gradient_accumulation_steps is a multiple of "
+                    "steps_per_generation "
                     "× num_iterations), so the guard has nothing to check and passes every batch through. "
                     if self.nothing_to_check else "")
                 + "For the mismatch and confidence checks, sample with vLLM (use_vllm=True) or a rollout_func that "
@@ -174,8 +182,9 @@ class TrlGuard:
         if trainer.use_vllm or getattr(trainer, "rollout_func", None) is not None:
             message = processed_logprobs_warning(trainer)
             if message is not None and self.support is not None:
-                message = (f"rollout_guard: the engine reports logprobs renormalised over what {describe(self.support.settings)} "
-                           "keeps; the guard compares the trainer's on the same support (its log-mass of it from the pass "
+                message = (f"rollout_guard: the engine reports logprobs renormalised over what "
+                           f"{describe(self.support.settings)} keeps; the guard compares the trainer's on the same "
+                           "support (its log-mass of it from the pass "
                            "that computes its logprobs; GuardConfig.compare_on_engine_support).")
             if message is not None:
                 self._say_once("processed-logprobs", message)
@@ -219,7 +228,8 @@ class TrlGuard:
         self.last_overhead_seconds = time.perf_counter() - started
         if self.keep_steps and self.last_report is not None:
             self.steps.append(capture_step(batch, guarded, self.last_report, self.last_evidence, self._rewards_per_func,
-                                           getattr(self.trainer, "_rollout_guard_injector", None), self.last_overhead_seconds))
+                                           getattr(self.trainer, "_rollout_guard_injector", None),
+                                           self.last_overhead_seconds))
         return guarded
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -270,7 +280,8 @@ class TrlGuard:
             base = require(batch, "old_per_token_logps") if trainer_logprobs is None else trainer_logprobs
             trainer_logprobs = base - log_mass.to(base)
         injector = getattr(self.trainer, "_rollout_guard_injector", None)
-        return evidence_of(batch, trainer_logprobs, injector.last_selected if injector is not None else None, mask=judged)
+        return evidence_of(batch, trainer_logprobs, injector.last_selected if injector is not None else None,
+                           mask=judged)
 
     def guard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Judge TRL's batch and, in quarantine mode, return the batch the loss sees. Symmetric across processes:
@@ -336,7 +347,8 @@ class TrlGuard:
         if self.config.quarantines:
             raise GuardError(message)
         alert = self.guard.alerts.error("advantage_replica", report.step, float(len(report.check_failed_on)), 0.0,
-                                        f"rollout_guard: TRL's advantages differ from the guard's replica at step {report.step}",
+                                        f"rollout_guard: TRL's advantages differ from the guard's replica at step "
+                                        f"{report.step}",
                                         message + "; monitor mode: training goes on")
         if alert is not None:
             report.alerts.append(alert)
@@ -356,8 +368,10 @@ class TrlGuard:
         ``evidence_samples_per_step`` (chosen from the gathered report, so the same rows on every process),
         statistics only for the rest."""
         try:
-            full_rows = set(worst_suspects(report.samples, report.reasons, self.config.evidence_samples_per_step).tolist())
-            records = build_records(self.trainer, self.config, self.guard.process_index, batch, report, evidence, rewards,
+            full_rows = set(worst_suspects(report.samples, report.reasons,
+                                           self.config.evidence_samples_per_step).tolist())
+            records = build_records(self.trainer, self.config, self.guard.process_index, batch, report, evidence,
+                                    rewards,
                                     advantages_before, full_rows=full_rows, decode=False)
         except Exception as error:
             self._failure("writing evidence records", error)
@@ -462,7 +476,8 @@ class TrlGuard:
             self._failure("computing the trainer's log-mass of the engine's support (compare_on_engine_support; "
                           "the calibration absorbs the offset from now on)", error)
 
-    def _trainer_logprobs(self, batch: dict[str, Any], completion_attention: torch.Tensor, rows: list[int] | None = None,
+    def _trainer_logprobs(self, batch: dict[str, Any], completion_attention: torch.Tensor,
+                          rows: list[int] | None = None,
                           forward_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The trainer's logprobs of the sampled tokens: one no-grad forward pass over the batch (``rows`` None), or
         over the truncated ``rows`` only (padded to ``forward_rows`` with repeats), written into TRL's own; with
@@ -472,7 +487,8 @@ class TrlGuard:
         attention_mask = torch.cat([require(batch, "prompt_mask"), completion_attention], dim=1)
         width = batch["completion_ids"].size(1)
         if rows is not None:
-            index = torch.tensor((rows or [0]) * (forward_rows // max(len(rows), 1) + 1), device=input_ids.device)[:forward_rows]
+            index = torch.tensor((rows or [0]) * (forward_rows // max(len(rows), 1) + 1),
+                                 device=input_ids.device)[:forward_rows]
             input_ids, attention_mask = input_ids[index], attention_mask[index]
         started = time.perf_counter()
         capture = self.support.active() if self.support is not None else contextlib.nullcontext()
@@ -485,7 +501,8 @@ class TrlGuard:
         if rows is None:
             return logprobs, log_mass
         self.last_truncated_pass = {"rows": float(forward_rows), "tokens": float(attention_mask.sum()),
-                                    "padded_tokens": float(attention_mask.numel()), "seconds": time.perf_counter() - started}
+                                    "padded_tokens": float(attention_mask.numel()),
+                                    "seconds": time.perf_counter() - started}
         merged = require(batch, "old_per_token_logps").clone()
         merged_mass = self._support_mass.clone() if self._support_mass is not None and log_mass is not None else None
         if rows:
@@ -533,7 +550,8 @@ class TrlGuard:
         self._to_sinks("on_end", self.guard)
         if self.stop_reason is not None and self.config.on_ceiling == "stop":
             state = self.trainer.state
-            logger.error("rollout_guard: training was STOPPED by the circuit breaker at step %s of %s: %s trainer.train() "
+            logger.error("rollout_guard: training was STOPPED by the circuit breaker at step %s of %s: %s "
+                         "trainer.train() "
                          "returned normally, but the model did not train as planned; summary.json says so under "
                          "'stopped'. GuardConfig(on_ceiling='raise') makes this an exception.",
                          state.global_step, state.max_steps, self.stop_reason)
@@ -545,7 +563,8 @@ class TrlGuard:
 
 
 def trl_computes_trainer_logprobs(trainer: Any) -> bool:
-    """Whether TRL puts ``old_per_token_logps`` in its batch (its own condition in ``_generate_and_score_completions``)."""
+    """Whether TRL puts ``old_per_token_logps`` in its batch (its own condition in
+    ``_generate_and_score_completions``)."""
     args = trainer.args
     generate_every = args.steps_per_generation * getattr(trainer, "num_iterations", 1)
     return bool(args.gradient_accumulation_steps % generate_every != 0

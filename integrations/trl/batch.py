@@ -26,10 +26,12 @@ class GroupSettings:
 
     @classmethod
     def of(cls, trainer: Any) -> GroupSettings:
-        return cls(trainer.reward_weights, trainer.num_generations, trainer.scale_rewards, trainer.multi_objective_aggregation)
+        return cls(trainer.reward_weights, trainer.num_generations, trainer.scale_rewards,
+                   trainer.multi_objective_aggregation)
 
     def advantages(self, rewards_per_func: torch.Tensor, excluded: torch.Tensor | None = None) -> torch.Tensor:
-        return group_relative_advantages(rewards_per_func, self.reward_weights, group_size=self.group_size, excluded=excluded,
+        return group_relative_advantages(rewards_per_func, self.reward_weights, group_size=self.group_size,
+                                         excluded=excluded,
                                          scale_rewards=self.scale_rewards, aggregation=self.aggregation)
 
 
@@ -37,7 +39,8 @@ def require(batch: dict[str, Any], key: str) -> torch.Tensor:
     value = batch.get(key)
     if not isinstance(value, torch.Tensor):
         problem = "missing" if value is None else f"a {type(value).__name__}, not a tensor"
-        raise GuardInputError(f"batch['{key}']", f"{problem} in the batch TRL built", f"use a TRL GRPOTrainer ({describe_trl()})")
+        raise GuardInputError(f"batch['{key}']", f"{problem} in the batch TRL built",
+                              f"use a TRL GRPOTrainer ({describe_trl()})")
     return value
 
 
@@ -66,7 +69,8 @@ def truncated_judged_mask(loss_mask: torch.Tensor, completion_mask: torch.Tensor
     ``lengths[i]`` tokens (tool output is attended, not scored). Every other row keeps ``loss_mask`` and
     ``completion_mask``; so does a listed row that TRL did not mask (its loss mask is not all zero).
 
-    >>> judged, attention = truncated_judged_mask(torch.tensor([[1, 1, 0], [0, 0, 0]]), torch.tensor([[1, 1, 0], [0, 0, 0]]),
+    >>> judged, attention = truncated_judged_mask(torch.tensor([[1, 1, 0], [0, 0, 0]]),
+    ...                                           torch.tensor([[1, 1, 0], [0, 0, 0]]),
     ...                                           [1], [3], [[1, 1, 1], [0, 1, 1]])
     >>> judged.tolist(), attention.tolist()
     ([[1, 1, 0], [0, 1, 1]], [[1, 1, 0], [1, 1, 1]])
@@ -79,14 +83,16 @@ def truncated_judged_mask(loss_mask: torch.Tensor, completion_mask: torch.Tensor
         for position, row in enumerate(rows):
             values = torch.tensor(tool_masks[row][:width], dtype=loss_mask.dtype)
             tools[position, : values.numel()] = values
-    masked_by_trl = (loss_mask[index].sum(dim=1, keepdim=True) == 0) & (completion_mask[index].sum(dim=1, keepdim=True) == 0)
+    masked_by_trl = (loss_mask[index].sum(dim=1, keepdim=True) == 0) \
+        & (completion_mask[index].sum(dim=1, keepdim=True) == 0)
     judged, attention = loss_mask.clone(), completion_mask.clone()
     judged[index] = torch.where(masked_by_trl, length.to(loss_mask.dtype) * tools.to(device), loss_mask[index])
     attention[index] = torch.where(masked_by_trl, length.to(completion_mask.dtype), completion_mask[index])
     return judged, attention
 
 
-def evidence_of(batch: dict[str, Any], trainer_logprobs: torch.Tensor | None = None, injected: torch.Tensor | None = None,
+def evidence_of(batch: dict[str, Any], trainer_logprobs: torch.Tensor | None = None,
+                injected: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> RolloutEvidence:
     """The guard's evidence in a TRL batch: vLLM's logprobs, TRL's trainer logprobs (or the given ones), and the
     judged mask: the loss mask, or the given ``mask`` (the loss mask plus the truncated rows TRL masked out)."""
@@ -137,7 +143,8 @@ def quarantine_batch(batch: dict[str, Any], report: StepReport, rewards_per_func
     return batch
 
 
-def check_action_inputs(batch: dict[str, Any], rewards: torch.Tensor | None, rows: int, settings: GroupSettings) -> None:
+def check_action_inputs(batch: dict[str, Any], rewards: torch.Tensor | None, rows: int,
+                        settings: GroupSettings) -> None:
     """Raise (before the step's gather, so that every process then skips together) if this process could not
     carry out the quarantine action on this batch; afterwards the action is tensor arithmetic on checked inputs."""
     mask = require(batch, "completion_mask")
@@ -148,17 +155,23 @@ def check_action_inputs(batch: dict[str, Any], rewards: torch.Tensor | None, row
                               f"{tuple(mask.shape)}; expected ({rows},)", f"use a TRL GRPOTrainer ({describe_trl()})")
     if rewards is None:
         raise GuardInputError("rewards", "TRL's _calculate_rewards was not called in this generation step",
-                              f"use a TRL GRPOTrainer ({describe_trl()}), whose _generate_and_score_completions calls it")
-    if rewards.dim() != 2 or rewards.shape[0] % settings.group_size or rewards.shape[1] != settings.reward_weights.numel():
-        raise GuardInputError("rewards", f"shape {tuple(rewards.shape)}, expected (N, {settings.reward_weights.numel()}) "
-                              f"with N a multiple of num_generations={settings.group_size}", f"use a TRL GRPOTrainer ({describe_trl()})")
+                              f"use a TRL GRPOTrainer ({describe_trl()}), "
+                              f"whose _generate_and_score_completions calls it")
+    if rewards.dim() != 2 or rewards.shape[0] % settings.group_size \
+            or rewards.shape[1] != settings.reward_weights.numel():
+        raise GuardInputError("rewards", f"shape {tuple(rewards.shape)}, expected "
+                              f"(N, {settings.reward_weights.numel()}) "
+                              f"with N a multiple of num_generations={settings.group_size}",
+                              f"use a TRL GRPOTrainer ({describe_trl()})")
     for key in NEUTRAL_FILL:
         value = batch.get(key)
         if value is not None and not (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows):
-            raise GuardInputError(f"batch['{key}']", f"not a tensor with {rows} rows", f"use a TRL GRPOTrainer ({describe_trl()})")
+            raise GuardInputError(f"batch['{key}']", f"not a tensor with {rows} rows",
+                                  f"use a TRL GRPOTrainer ({describe_trl()})")
 
 
-def replica_differs(batch: dict[str, Any], rewards: torch.Tensor, settings: GroupSettings, local_rows: slice) -> torch.Tensor:
+def replica_differs(batch: dict[str, Any], rewards: torch.Tensor, settings: GroupSettings,
+                    local_rows: slice) -> torch.Tensor:
     """Whether TRL's advantages on this process differ from the guard's replica of its arithmetic with nothing
     excluded: a 0-dim bool tensor on the batch's device (no host sync; it travels in the step's gather)."""
     advantages = require(batch, "advantages")

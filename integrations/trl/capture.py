@@ -12,7 +12,8 @@ from rollout_guard.guard import StepReport
 
 
 def host_tensors(batch: dict[str, Any] | None) -> dict[str, torch.Tensor]:
-    return {key: value.detach().cpu().clone() for key, value in (batch or {}).items() if isinstance(value, torch.Tensor)}
+    return {key: value.detach().cpu().clone() for key, value in (batch or {}).items()
+            if isinstance(value, torch.Tensor)}
 
 
 @dataclass

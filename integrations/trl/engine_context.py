@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from rollout_guard.integrations.vllm_context import (
-    ROLLOUT_FIELDS, IterationLog, engine_settings, keep_families, parse_prometheus, rollout_contexts, scrape_metrics, server_settings,
+    ROLLOUT_FIELDS, IterationLog, engine_settings, keep_families, parse_prometheus, rollout_contexts, scrape_metrics,
+    server_settings,
     server_step_context,
     summarise_iterations,
 )
@@ -121,7 +122,8 @@ class EngineContextCollector:
             def generate(*args: Any, **kwargs: Any) -> Any:
                 started = time.perf_counter()
                 if self.log is not None:
-                    self.seconds += self.log.drain().seconds  # iterations of other callers (none in TRL) are not this call's
+                    # iterations of other callers (none in TRL) are not this call's
+                    self.seconds += self.log.drain().seconds
                 call_started = time.monotonic()
                 self.seconds += time.perf_counter() - started
                 outputs = original_generate(*args, **kwargs)
@@ -129,7 +131,8 @@ class EngineContextCollector:
                 try:
                     self._record_call(outputs, call_started, generated - started)
                 except Exception as error:  # noqa: BLE001 - context is diagnostics: never break generation
-                    self._say("call-failed", f"rollout_guard: engine context of a generate call failed ({type(error).__name__}: {error})")
+                    self._say("call-failed", f"rollout_guard: engine context of a generate call failed "
+                              f"({type(error).__name__}: {error})")
                 self.seconds += time.perf_counter() - generated
                 return outputs
 
@@ -142,7 +145,8 @@ class EngineContextCollector:
             return None
         try:
             return cls(trainer)
-        except Exception as error:  # noqa: BLE001 - diagnostics only: an unexpected TRL/vLLM layout must not stop training
+        except Exception as error:  # noqa: BLE001 - diagnostics only: an unexpected TRL/vLLM layout must not
+            # stop training
             logger.warning("rollout_guard: no engine context for this trainer (%s: %s)", type(error).__name__, error)
             return None
 
@@ -201,7 +205,8 @@ class EngineContextCollector:
             metrics["unmapped_rows"] = 0.0
             metrics["calls"] = math.nan  # TRL's vllm_client calls are not counted
         injector = getattr(self.trainer, "_rollout_guard_injector", None)
-        injected = None if injector is None or injector.last_selected is None else [bool(v) for v in injector.last_selected.tolist()]
+        injected = None if injector is None or injector.last_selected is None \
+            else [bool(v) for v in injector.last_selected.tolist()]
         self.seconds += time.perf_counter() - started
         metrics["context_seconds"] = self.seconds
         step = StepEngineContext(rows=mapped, metrics={f"{METRIC_PREFIX}{k}": v for k, v in metrics.items()},
@@ -216,7 +221,8 @@ class EngineContextCollector:
         step_iterations = [call["iterations"] for call in self.calls if call["iterations"] is not None]
         values = {
             "generation_seconds": float(sum(call["seconds"] for call in self.calls)),
-            "prefix_cache_hit_share": (sum(cached) / prompt) if contexts and prompt and None not in cached else math.nan,
+            "prefix_cache_hit_share": (sum(cached) / prompt) if contexts and prompt and None not in cached
+                                      else math.nan,
             "kv_cache_usage_max": _nanmax([it["kv_cache_usage_max"] for it in step_iterations]),
             "running_requests_max": _nanmax([it["running_requests_max"] for it in step_iterations]),
             "waiting_requests_max": _nanmax([it["waiting_requests_max"] for it in step_iterations]),
@@ -246,7 +252,8 @@ class EngineContextCollector:
             values = server_step_context(now, self._server_before)
             values["scrape_seconds"] = time.perf_counter() - started
         except Exception as error:  # noqa: BLE001 - no metrics endpoint: say so once, record nothing
-            self._say("scrape", f"rollout_guard: could not read the vLLM server's /metrics ({type(error).__name__}: {error}); "
+            self._say("scrape", f"rollout_guard: could not read the vLLM server's /metrics "
+                      f"({type(error).__name__}: {error}); "
                       "no engine values in server mode")
             return {}
         self._server_before = now

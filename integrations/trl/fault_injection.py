@@ -54,7 +54,8 @@ class StaleContextInjector:
         return [list(p) for p in prompts], completion_ids, logprobs, logprob_token_ids
 
 
-def inject_stale_context(trainer: Any, rate: float, seed: int = 0, when: Callable[[], bool] | None = None) -> StaleContextInjector:
+def inject_stale_context(trainer: Any, rate: float, seed: int = 0,
+                         when: Callable[[], bool] | None = None) -> StaleContextInjector:
     """Turn on fault injection for this trainer (vLLM rollouts): each rollout is corrupted with probability ``rate``
     (only in generation calls where ``when()`` is true, if given)."""
     return StaleContextInjector(trainer, rate=rate, seed=seed, when=when)

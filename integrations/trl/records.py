@@ -58,7 +58,8 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
     position = torch.nan_to_num(first, nan=-1.0).clamp(min=0).long().clamp(max=counted.shape[1] - 1).to(counted.device)
     tokens_before = counted.gather(1, position.view(-1, 1)).flatten().cpu()
     after = require(batch, "advantages")[index].float().cpu()
-    before = advantages_before[index].float().cpu() if advantages_before is not None else torch.full_like(after, math.nan)
+    before = advantages_before[index].float().cpu() if advantages_before is not None \
+        else torch.full_like(after, math.nan)
     reward_rows = rewards.float().cpu() if rewards is not None else None
     injected = evidence.injected.cpu() if evidence.injected is not None else None
     tokens_of: dict[int, dict[str, Any]] = {}
@@ -74,7 +75,8 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
         completions = [completion_ids[i][mask[i]].tolist() for i in range(len(full))]
         for i, row in enumerate(full):
             tokens_of[row] = dict(
-                prompt_ids=prompts[i], completion_ids=completions[i], prompt_text="", completion_text="", completion_tokens=[],
+                prompt_ids=prompts[i], completion_ids=completions[i], prompt_text="", completion_text="",
+                completion_tokens=[],
                 engine_logprobs=engine[i][mask[i]].tolist() if engine is not None else None,
                 trainer_logprobs=trainer_lp[i][mask[i]].tolist() if trainer_lp is not None else None,
             )
@@ -108,7 +110,8 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
                 group_size=trainer.num_generations, action=action,
                 rules=rule_names(int(report.reasons[global_row])), stats=stats,
                 **tokens_of.get(row, no_tokens),
-                reward=None if reward_row is None or bool(reward_row.isnan().all()) else float((reward_row * weights).nansum()),
+                reward=None if reward_row is None or bool(reward_row.isnan().all())
+                       else float((reward_row * weights).nansum()),
                 rewards_per_func=dict(zip(names, reward_row.tolist(), strict=False)) if reward_row is not None else {},
                 advantage_before=float(before[position]), advantage_after=float(after[position]),
                 sampling=sampling, model=str(model), engine=engine_info,

@@ -54,13 +54,15 @@ def support_changes(trainer: Any) -> list[str]:
         changes.append(f"top_p={top_p:g} (engine logprob higher by up to {-math.log(top_p):.3g} nat on every token)")
     top_k = setting("top_k", 0)
     if top_k is not None and top_k > 0:
-        changes.append(f"top_k={top_k} (engine logprob higher by −log(mass of the top {top_k}); unbounded on flat distributions)")
+        changes.append(f"top_k={top_k} (engine logprob higher by −log(mass of the top {top_k}); "
+                       f"unbounded on flat distributions)")
     min_p = setting("min_p", None)
     if min_p:
         changes.append(f"min_p={min_p:g} (engine logprob higher by −log(kept mass))")
     penalty = setting("repetition_penalty", 1.0)
     if penalty is not None and penalty != 1.0:
-        changes.append(f"repetition_penalty={penalty:g} (repeated tokens shift by up to {abs(math.log(penalty)):.3g} nat, either way)")
+        changes.append(f"repetition_penalty={penalty:g} (repeated tokens shift by up to "
+                       f"{abs(math.log(penalty)):.3g} nat, either way)")
     for name in ("presence_penalty", "frequency_penalty"):
         if extra.get(name):
             changes.append(f"{name}={extra[name]:g} (logits shifted, |Δ| either way)")
@@ -69,7 +71,8 @@ def support_changes(trainer: Any) -> list[str]:
             changes.append(f"{name} (tokens removed or shifted: engine logprob higher, unbounded)")
     regex = getattr(args, "vllm_structured_outputs_regex", None)
     if regex:
-        changes.append("vllm_structured_outputs_regex (guided decoding: engine logprob higher by −log(allowed mass), unbounded)")
+        changes.append("vllm_structured_outputs_regex (guided decoding: engine logprob higher by −log(allowed mass), "
+                       "unbounded)")
     return changes
 
 

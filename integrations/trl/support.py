@@ -154,7 +154,8 @@ class SupportCapture:
                     hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
                     ids = hook_kwargs.get("input_ids", hook_args[0] if hook_args else None)
                     with torch.no_grad():
-                        chunks.append(token_log_mass(hidden[:, -logits_to_keep - 1 : -1].detach(), ids[:, -logits_to_keep:],
+                        chunks.append(token_log_mass(hidden[:, -logits_to_keep - 1 : -1].detach(),
+                                                     ids[:, -logits_to_keep:],
                                                      head, scale, softcap, temperature, self.settings))
                 except Exception as error:  # noqa: BLE001
                     self.error = error
