@@ -78,8 +78,8 @@ class TransformersRollouts:
         was_training = model.training
         model.eval()
         dtype = next(model.parameters()).dtype
-        autocast = torch.autocast(device.type, dtype=self.engine_dtype) if self.engine_dtype not in (None, dtype) \
-            else contextlib.nullcontext()
+        autocast = (torch.autocast(device.type, dtype=self.engine_dtype) if self.engine_dtype not in (None, dtype)
+            else contextlib.nullcontext())
         config = copy.deepcopy(trainer.generation_config)  # TRL's own: temperature, top-p/k, min-p, penalties
         config.output_scores = True
         config.return_dict_in_generate = True

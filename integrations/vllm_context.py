@@ -423,8 +423,8 @@ def server_step_context(now: dict[str, float], before: dict[str, float] | None, 
         return now[name] - before.get(name, 0.0) if name in now else nan
 
     def ratio(numerator: float, denominator: float) -> float:
-        return numerator / denominator if math.isfinite(numerator) and math.isfinite(denominator) and denominator > 0 \
-            else nan
+        return (numerator / denominator if math.isfinite(numerator) and math.isfinite(denominator) and denominator > 0
+                else nan)
 
     return {
         "kv_cache_usage": gauge("vllm:kv_cache_usage_perc") / max(engines, 1),

@@ -289,8 +289,8 @@ def load_transformers(model: str, dtype: str) -> tuple[Any, Any]:
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval(), \
-            AutoTokenizer.from_pretrained(model)
+        return (AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval(),
+                AutoTokenizer.from_pretrained(model))
     except (OSError, ValueError, KeyError) as error:
         message = " ".join(str(error).split())[:300]
         raise AuditUsageError(f"transformers could not load {model} ({type(error).__name__}: {message}); "

@@ -139,8 +139,8 @@ def guard_rows(
 
         # direction-aware detector: x = d − centre of the token's engine bucket
         engine_bucketed = tl.where(engine_ok, engine, 0.0)
-        bucket = (engine_bucketed >= edge0).to(tl.int32) + (engine_bucketed >= edge1).to(tl.int32) \
-            + (engine_bucketed >= edge2).to(tl.int32)
+        bucket = ((engine_bucketed >= edge0).to(tl.int32) + (engine_bucketed >= edge1).to(tl.int32)
+            + (engine_bucketed >= edge2).to(tl.int32))
         centre = tl.load(thresholds_ptr + bucket)
         allowance = tl.load(thresholds_ptr + 4 + bucket)
         unlikely_spike = tl.load(thresholds_ptr + 12 + bucket)

@@ -44,8 +44,8 @@ class AlertMonitor:
         config, alerts = self.config, []
         share = metrics.get("quarantined_share" if config.quarantines else "suspect_share", 0.0)
         share_baseline = self.share_baseline if self.share_baseline is not None else 0.0
-        if share >= config.alert_min_share and share > config.alert_jump * share_baseline \
-                and self._cooled_down("quarantine_rate", step):
+        if (share >= config.alert_min_share and share > config.alert_jump * share_baseline
+                and self._cooled_down("quarantine_rate", step)):
             verb = "quarantined" if config.quarantines else "flagged (monitor mode)"
             alerts.append(Alert(
                 "quarantine_rate", "WARN", step, share, share_baseline,
@@ -76,8 +76,8 @@ class AlertMonitor:
             self.log_delta_baseline = log_delta if self.log_delta_baseline is None else (
                 (1 - self.alpha) * self.log_delta_baseline + self.alpha * log_delta
             )
-        self.share_baseline = share if self.share_baseline is None \
-            else (1 - self.alpha) * self.share_baseline + self.alpha * share
+        self.share_baseline = (share if self.share_baseline is None
+            else (1 - self.alpha) * self.share_baseline + self.alpha * share)
         for alert in alerts:
             self.last_alert_step[alert.kind] = step
         self.sent += len(alerts)

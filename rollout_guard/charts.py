@@ -89,8 +89,8 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
     axis.set_xticks(positions)
     axis.set_xticklabels([repr(token)[1:-1] for token in tokens], rotation=90 if len(tokens) > 20 else 0, fontsize=8)
     axis.set_ylabel("logprob of the sampled token (nats)")
-    shown = f"tokens {start}–{stop - 1} of {len(record.completion_ids)}" \
-        if (start, stop) != (0, len(record.completion_ids)) else "all tokens"
+    shown = (f"tokens {start}–{stop - 1} of {len(record.completion_ids)}"
+        if (start, stop) != (0, len(record.completion_ids)) else "all tokens")
     axis.set_xlabel(f"completion token ({shown})")
     prompt = record.prompt_text if len(record.prompt_text) <= 80 else "…" + record.prompt_text[-79:]
     max_delta = record.stats.get("max_abs_delta")

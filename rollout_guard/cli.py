@@ -96,8 +96,8 @@ def audit(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, StressSettings, check_audit_inputs, \
-        check_model
+    from rollout_guard.integrations.vllm_tools import (DTYPES, AuditUsageError, StressSettings, check_audit_inputs,
+        check_model)
     from rollout_guard.integrations.vllm_tools import audit as run_audit
 
     _quiet_vllm()

@@ -29,8 +29,8 @@ SAMPLES_FILE = "engine_samples.jsonl"
 
 
 def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        else math.nan
+    return (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            else math.nan)
 
 
 def engine_history(metrics_rows: Iterable[dict[str, Any]]) -> list[dict[str, float]]:

@@ -23,8 +23,8 @@ from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
-from rollout_guard.packet import PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet, \
-    step_metrics
+from rollout_guard.packet import (PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet,
+    step_metrics)
 from rollout_guard.statistics import (
     CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, batch_thresholds,
 )

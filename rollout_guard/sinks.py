@@ -129,8 +129,8 @@ class StepTableSink:
             value = values.get(key)
             if key == "guard_seconds" and value is not None:
                 value = value * 1000
-            text = "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) \
-                else fmt.format(value)
+            text = ("-" if value is None or (isinstance(value, float) and not math.isfinite(value))
+                else fmt.format(value))
             cells.append(f"{text:>11}")
         return "".join(cells)
 

@@ -46,16 +46,16 @@ from rollout_guard.extras import require_extra
 
 require_extra("rollout_guard.integrations.trl", ("trl", "transformers", "accelerate"), "trl")
 
-from rollout_guard.integrations.trl.attach import TRL_METRIC_KEYS, TRL_METRIC_PREFIX, TrlGuard, attach_guard, \
-    default_sinks
+from rollout_guard.integrations.trl.attach import (TRL_METRIC_KEYS, TRL_METRIC_PREFIX, TrlGuard, attach_guard,
+    default_sinks)
 from rollout_guard.integrations.trl.batch import (
     NEUTRAL_FILL, GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs,
     require,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, host_tensors
 from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state
-from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, \
-    enable_vllm_engine_stats
+from rollout_guard.integrations.trl.engine_context import (EngineContextCollector, StepEngineContext,
+    enable_vllm_engine_stats)
 from rollout_guard.integrations.trl.fault_injection import StaleContextInjector, inject_stale_context
 from rollout_guard.integrations.trl.records import build_records, decode_records
 

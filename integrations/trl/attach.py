@@ -26,8 +26,8 @@ from rollout_guard.integrations.trl.batch import (
     require, truncated_judged_mask, truncated_rows,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, capture_step
-from rollout_guard.integrations.trl.engine_context import EngineContextCollector, StepEngineContext, \
-    add_context_to_records
+from rollout_guard.integrations.trl.engine_context import (EngineContextCollector, StepEngineContext,
+    add_context_to_records)
 from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, sampling_settings
 from rollout_guard.integrations.trl.support import SupportCapture, describe, support_settings

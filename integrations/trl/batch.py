@@ -83,8 +83,8 @@ def truncated_judged_mask(loss_mask: torch.Tensor, completion_mask: torch.Tensor
         for position, row in enumerate(rows):
             values = torch.tensor(tool_masks[row][:width], dtype=loss_mask.dtype)
             tools[position, : values.numel()] = values
-    masked_by_trl = (loss_mask[index].sum(dim=1, keepdim=True) == 0) \
-        & (completion_mask[index].sum(dim=1, keepdim=True) == 0)
+    masked_by_trl = ((loss_mask[index].sum(dim=1, keepdim=True) == 0)
+        & (completion_mask[index].sum(dim=1, keepdim=True) == 0))
     judged, attention = loss_mask.clone(), completion_mask.clone()
     judged[index] = torch.where(masked_by_trl, length.to(loss_mask.dtype) * tools.to(device), loss_mask[index])
     attention[index] = torch.where(masked_by_trl, length.to(completion_mask.dtype), completion_mask[index])
@@ -157,8 +157,8 @@ def check_action_inputs(batch: dict[str, Any], rewards: torch.Tensor | None, row
         raise GuardInputError("rewards", "TRL's _calculate_rewards was not called in this generation step",
                               f"use a TRL GRPOTrainer ({describe_trl()}), "
                               f"whose _generate_and_score_completions calls it")
-    if rewards.dim() != 2 or rewards.shape[0] % settings.group_size \
-            or rewards.shape[1] != settings.reward_weights.numel():
+    if (rewards.dim() != 2 or rewards.shape[0] % settings.group_size
+            or rewards.shape[1] != settings.reward_weights.numel()):
         raise GuardInputError("rewards", f"shape {tuple(rewards.shape)}, expected "
                               f"(N, {settings.reward_weights.numel()}) "
                               f"with N a multiple of num_generations={settings.group_size}",

@@ -205,8 +205,8 @@ class EngineContextCollector:
             metrics["unmapped_rows"] = 0.0
             metrics["calls"] = math.nan  # TRL's vllm_client calls are not counted
         injector = getattr(self.trainer, "_rollout_guard_injector", None)
-        injected = None if injector is None or injector.last_selected is None \
-            else [bool(v) for v in injector.last_selected.tolist()]
+        injected = (None if injector is None or injector.last_selected is None
+            else [bool(v) for v in injector.last_selected.tolist()])
         self.seconds += time.perf_counter() - started
         metrics["context_seconds"] = self.seconds
         step = StepEngineContext(rows=mapped, metrics={f"{METRIC_PREFIX}{k}": v for k, v in metrics.items()},

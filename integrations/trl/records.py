@@ -58,8 +58,8 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
     position = torch.nan_to_num(first, nan=-1.0).clamp(min=0).long().clamp(max=counted.shape[1] - 1).to(counted.device)
     tokens_before = counted.gather(1, position.view(-1, 1)).flatten().cpu()
     after = require(batch, "advantages")[index].float().cpu()
-    before = advantages_before[index].float().cpu() if advantages_before is not None \
-        else torch.full_like(after, math.nan)
+    before = (advantages_before[index].float().cpu() if advantages_before is not None
+        else torch.full_like(after, math.nan))
     reward_rows = rewards.float().cpu() if rewards is not None else None
     injected = evidence.injected.cpu() if evidence.injected is not None else None
     tokens_of: dict[int, dict[str, Any]] = {}
