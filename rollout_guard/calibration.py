@@ -202,11 +202,9 @@ for the same bound β on the rows a tail too rare to show may flag), and how few
 heavy. Measured at 5 before the eighteenth session (1,000 faults per condition, on the engine's support): 4 judges
 20 % sooner for the same bound, and a heavy tail shows one token sooner. Real context swaps missed 8 → 7 of 4,096
 (the hybrid T0.7/top_p0.9 cell 255 → 256 of 256: its miss came at 89,649 of the 92,013 such tokens k = 5 needed),
-isolated spikes 315 → 314, late onset 15 → 14; seed 1: swaps 7 → 6, isolated 363 → 361,
-late 15 → 14; never told:
-swaps 21 → 20; phase 2 dense: swaps 8 → 7; option off: swaps 7 → 6, one spike 4 → 3;
-false quarantines and flagged
-resampled judgements unchanged in all five. 3 gave the same figures; not lower, for the reading's sake."""
+isolated spikes 315 → 314, late onset 15 → 14; seed 1: swaps 7 → 6, isolated 363 → 361, late 15 → 14; never told: swaps
+21 → 20; phase 2 dense: swaps 8 → 7; option off: swaps 7 → 6, one spike 4 → 3; false quarantines and flagged resampled
+judgements unchanged in all five. 3 gave the same figures; not lower, for the reading's sake."""
 
 UNLIKELY_MIN_TOKENS = 100_000.0
 """(decayed) kept tokens no side found likely that a bucket needs before they are judged, at most (fewer where
@@ -226,12 +224,11 @@ UNLIKELY_ROW_SHARE = 0.001
 :func:`unlikely_min_tokens`): the goal's 0.1 %, which :data:`UNLIKELY_MIN_TOKENS` already allowed a run with 25 such
 tokens per sample (20 while :data:`UNLIKELY_TAIL_TOKENS` was 5). The fidelity benchmark's runs have 8–77 per
 sample (T0.7/top_p0.9: 8–19; T1/top_p1: 51–77): with a fixed 100,000 the sparse ones were judged only after 24–64
-steps of 256 rows. Measured (with k = 5, 1,000 faults per
-condition, seed 0): isolated spikes missed 346 → 339 of 27,000
-(the quiet T0.7/top_p0.9 runs 4 → 0 and 3 → 1), false
-quarantines 7 → 7 of 122,368, flagged judgements of resampled healthy rows 22 → 22 of 888,995 (once a quiet reading
-from fewer than 100,000 such tokens is no longer carried through a restart: carried, a pooled dense-tail stream's
-T0.7/top_p0.9 reading flagged 11 judgements in the next setting); at 0.0005 (N = 10,000 · u) 346 → 345."""
+steps of 256 rows. Measured (with k = 5, 1,000 faults per condition, seed 0): isolated spikes missed 346 → 339 of 27,000
+(the quiet T0.7/top_p0.9 runs 4 → 0 and 3 → 1), false quarantines 7 → 7 of 122,368, flagged judgements of resampled
+healthy rows 22 → 22 of 888,995 (once a quiet reading from fewer than 100,000 such tokens is no longer carried through a
+restart: carried, a pooled dense-tail stream's T0.7/top_p0.9 reading flagged 11 judgements in the next setting); at
+0.0005 (N = 10,000 · u) 346 → 345."""
 
 
 def unlikely_min_tokens(per_row: float) -> float:

@@ -107,8 +107,7 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
 
 def delta_heatmap(steps: Sequence[int], histograms: Sequence[Sequence[float]], bin_edges: Sequence[float],
                   path: str | Path) -> Path:
-    """Per-step histogram of token |Δ| with fixed bin edges, as a heatmap: x = step, y = |Δ| (log),
-    colour = tokens."""
+    """Per-step histogram of token |Δ| with fixed bin edges, as a heatmap: x = step, y = |Δ| (log), colour = tokens."""
     import numpy as np
 
     counts = np.asarray(histograms, dtype=float).T  # (bins, steps)
@@ -132,8 +131,7 @@ DELTA_FLOOR = 1e-8  # nats: where a |Δ| of exactly 0 is drawn on the log scale 
 
 
 def _floored(values: Sequence[float]) -> list[float]:
-    """|Δ| values for a log axis: NaN stays NaN (no tokens), values below :data:`DELTA_FLOOR` (0 included) sit
-    on it."""
+    """|Δ| values for a log axis: NaN stays NaN (no tokens), values below :data:`DELTA_FLOOR` (0 included) sit on it."""
     return [value if math.isnan(value) else max(value, DELTA_FLOOR) for value in values]
 
 

@@ -75,18 +75,16 @@ class GuardConfig:
     """nats. Rule ``directional_spike``: some token that one side found likely (``spike_min_engine_logprob``,
     ``spike_min_trainer_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above its engine bucket's
     threshold: this value until the bucket is calibrated (or the batch's own reading where that is lower:
-    :func:`rollout_guard.statistics.batch_spike_thresholds`), then the run's extrapolated
-    ``1 − α`` quantile of healthy
+    :func:`rollout_guard.statistics.batch_spike_thresholds`), then the run's extrapolated ``1 − α`` quantile of healthy
     ``|x|`` (α from ``false_alarm_budget``; see :mod:`rollout_guard.calibration`), never below
     ``calibrated_spike_floor``. The other tokens, which neither side found likely, are judged too once calibrated,
     against a threshold of their own that is +inf while their healthy tail is heavy
     (:func:`rollout_guard.calibration.unlikely_spike_threshold`). Catches 1–3 isolated spikes (the scan-kernel
     overflow of vLLM PR #35275) in either direction. Measured on the fidelity benchmark (1,000 faults per
     condition): with 3.0, the hybrid heavy-tail noise put 4–11 clean samples per condition (up to 0.14 %) over it
-    in the first, uncalibrated steps (an engine
-    logprob of −4…−6 for a token the trainer gives ≥ 20 %), with 4.0 none; recall of isolated spikes fell by
-    0–1 point. Above the processed-logprob offset of an uncalibrated top-k=5 high-entropy policy (≈ 1.5 nats).
-    Default 4.0."""
+    in the first, uncalibrated steps (an engine logprob of −4…−6 for a token the trainer gives ≥ 20 %), with 4.0 none;
+    recall of isolated spikes fell by 0–1 point. Above the processed-logprob offset of an uncalibrated top-k=5
+    high-entropy policy (≈ 1.5 nats). Default 4.0."""
 
     calibrated_spike_floor: float = 1.5
     """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold is the
@@ -106,10 +104,8 @@ class GuardConfig:
     policy's flattening, down to −3.6), while healthy runs put their large |Δ| (10–18 nats in 7B runs,
     allenai/open-instruct) on tokens both sides find unlikely, and healthy noise grows with a token's surprise
     (measured on the fidelity benchmark's H200 rollouts: std of Δ 0.001 nats at engine logprob > −0.1, 0.02–0.03 at
-    −3…−1), which the calibrated per-bucket thresholds absorb.
-    Measured on the fidelity benchmark (1,000 faults per
-    condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled
-    (top-k=5 condition 57–59 → 94–99 %),
+    −3…−1), which the calibrated per-bucket thresholds absorb. Measured on the fidelity benchmark (1,000 faults per
+    condition) against ln 0.2 on both sides: single spikes 95.3 → 99.4 % pooled (top-k=5 condition 57–59 → 94–99 %),
     late onset 93.5 → 96.9 %, isolated spikes 92.5 → 95.0 %, at 1–2 more false quarantines in three of the 27
     conditions (of 7,040–15,488 clean samples each) as long as the trainer side keeps its own, higher cut
     (``spike_min_trainer_logprob``). Default −3.0 (≈ ln 0.0498): the lowest edge of the engine-logprob buckets
@@ -125,10 +121,9 @@ class GuardConfig:
     """nats. A token the trainer gave at least this logprob is a ``directional_spike`` candidate too (an engine
     that returns a garbage low logprob for a token the trainer finds likely: the scan-kernel overflow's other
     direction). Higher than the engine's cut because the hybrid heavy-tail noise model lifts the trainer's logprob
-    of tokens the engine put at −5…−10 nats to −3…−2
-    (measured: with ln 0.05 here, 4–11 clean samples per condition
-    went over the threshold); at ln 0.2 that noise reaches it a few times per 10,000 samples, which the calibrated
-    threshold of the bucket below −3 nats covers. Tokens under both cuts are judged against their own threshold
+    of tokens the engine put at −5…−10 nats to −3…−2 (measured: with ln 0.05 here, 4–11 clean samples per condition went
+    over the threshold); at ln 0.2 that noise reaches it a few times per 10,000 samples, which the calibrated threshold
+    of the bucket below −3 nats covers. Tokens under both cuts are judged against their own threshold
     (:func:`rollout_guard.calibration.unlikely_spike_threshold`: 1.5 × the |x| only 4 kept such tokens exceed, when
     that is within ``spike_excess``, else not judged; only once the bucket holds 10,000–100,000 of them,
     :func:`rollout_guard.calibration.unlikely_min_tokens`; 100,000 when this was measured): measured on the
@@ -142,8 +137,7 @@ class GuardConfig:
     held in reserve decides. Measured once more on the engine's support (``compare_on_engine_support``; 2026-12-02,
     seed 0): ln 0.1 misses 260 instead of 320 isolated spikes for 12 instead of 6 false quarantines (worst 0.074 %,
     hybrid-7B tail), the same in four other modes (seed 1, sampling untold, dense phase 2, option off: 57–65 fewer
-    missed for 3–8 more false); one cell newly at 99.9 % in two of the five (a top-k = 5 one),
-    none in the others: kept.
+    missed for 3–8 more false); one cell newly at 99.9 % in two of the five (a top-k = 5 one), none in the others: kept.
     Default ln 0.2 ≈ −1.61."""
 
     drift_threshold: float | None = 6.0
@@ -163,8 +157,7 @@ class GuardConfig:
     clipped at 4 nats like the others, a floor of 3.0 flagged 0.16 % of the judgements of healthy rows in the
     dense-7B-tail streams (a tail token in ~1 % of rows, below the reading's 1 % anchor), so it sat at 3.5; with
     the clip at 1.5, at 2.5: 28 of 888,995 judgements of resampled healthy rows flagged (61–70 at 3.5 without the
-    clip), late-onset rows missed 387 → 280 of 27,000, moderate ones 126 → 102; at 2.0, 35, 248 and 94.
-    Default 2.5."""
+    clip), late-onset rows missed 387 → 280 of 27,000, moderate ones 126 → 102; at 2.0, 35, 248 and 94. Default 2.5."""
 
     joint_margin: float | None = 0.4
     """nats. The ``drift`` rule also fires on a sample whose two kinds of evidence both fall just short: when

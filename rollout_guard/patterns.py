@@ -106,9 +106,8 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
 
     Persistent means: high on at least ``persistence`` of the tokens from the onset on, and either more than
     ``spike_max_tokens`` high tokens, or at least two consecutive high tokens, or every token high. Otherwise the
-    high tokens are isolated spikes. A fresh engine that reproduces the disagreement
-    (high on at least half of the high tokens)
-    means the prompt alone explains it (weights, dtype, kernels): a persistent one from the start is then
+    high tokens are isolated spikes. A fresh engine that reproduces the disagreement (high on at least half of the high
+    tokens) means the prompt alone explains it (weights, dtype, kernels): a persistent one from the start is then
     ``every_token``. One that a fresh engine does not reproduce came from state at generation time
     (``divergent_from_start``, ``late_onset``); without a fresh engine the two cannot be told apart and a
     persistent disagreement from the start is reported as ``divergent_from_start``.

@@ -169,8 +169,7 @@ def spike_per_row(spike: torch.Tensor, scaling: RowScaling | None, candidates: t
 
     .. math:: t_{r,k} = \\max\\big(\\textit{floor},\\ t_k + s_k \\ln(\\max(n_r, 1) / \\bar n)\\big)
 
-    with ``t_k`` the bucket's threshold read at ``α = β / 1000 / n̄``
-    (``n̄`` the mean row's spike candidates), ``s_k``
+    with ``t_k`` the bucket's threshold read at ``α = β / 1000 / n̄`` (``n̄`` the mean row's spike candidates), ``s_k``
     the slope of that reading in ``ln(1/α)`` (:func:`rollout_guard.calibration.extrapolated_quantile` is linear
     there) and ``n_r`` the row's candidates: a row of ``n_r`` candidates is read at ``β / 1000 / n_r``, so every row
     has the same expected false firings, and a short row (few tokens to fire by chance) is judged closer to its
@@ -242,15 +241,13 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     (:func:`batch_spike_thresholds`, around the centre it is judged with, never below ``spike_floor``), where the
     batch holds enough of its tokens; only above the lowest bucket (engine logprob ≥ −3 nats), where every token is
     a spike candidate at the default ``spike_min_engine_logprob`` (−3 nats; a higher cut would let this reading
-    count some non-candidates), so the histogram of all its tokens is the candidates'.
-    Until then such a bucket was judged by
-    the fixed ``spike_excess`` (4 nats): a 3-nat spike in a quiet run went unseen in the first steps of a run and
-    after each change of the sampling settings (measured on the fidelity benchmark: single spikes missed 46 → 32 of
+    count some non-candidates), so the histogram of all its tokens is the candidates'. Until then such a bucket was
+    judged by the fixed ``spike_excess`` (4 nats): a 3-nat spike in a quiet run went unseen in the first steps of a run
+    and after each change of the sampling settings (measured on the fidelity benchmark: single spikes missed 46 → 32 of
     27,000, no more false quarantines). The reading leaves out the rows the thresholds in use already flag (a token
     of a bucket above the lowest at least its spike threshold, the mean row's, from its centre; a second histogram
-    of the rows left): a corrupted row's many moderately-off tokens lifted the batch's 1 % point
-    and the reading with it, so
-    that a step with a few corrupted rows kept the fixed 4 nats (measured on the fidelity benchmark, 1,000 faults
+    of the rows left): a corrupted row's many moderately-off tokens lifted the batch's 1 % point and the reading with
+    it, so that a step with a few corrupted rows kept the fixed 4 nats (measured on the fidelity benchmark, 1,000 faults
     per condition: single spikes missed 20 → 8, late onset 116 → 102, isolated spikes 354 → 347 of 27,000; false
     quarantines 7 → 7, flagged resampled judgements 19 → 20).
 

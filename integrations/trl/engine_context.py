@@ -145,8 +145,8 @@ class EngineContextCollector:
             return None
         try:
             return cls(trainer)
-        except Exception as error:  # noqa: BLE001 - diagnostics only: an unexpected TRL/vLLM layout must not
-            # stop training
+        except Exception as error:  # noqa: BLE001 - diagnostics only: an unexpected TRL/vLLM layout must not stop
+            # training
             logger.warning("rollout_guard: no engine context for this trainer (%s: %s)", type(error).__name__, error)
             return None
 
