@@ -93,6 +93,9 @@ def test_raw_logprobs_equal_to_the_engines_are_stored_as_null_and_read_back_exac
     path, = writer.close()
     stored = pq.read_table(path)["engine_raw_logprobs"].to_pylist()
     assert stored == [[None, None, None], [-0.75, None], [-0.0, None, None, None]]
+    again = PartWriter(tmp_path, "again", max_bytes=1 << 30)  # a compact table written again stays compact
+    again.write(pq.read_table(path))
+    assert pq.read_table(again.close()[0])["engine_raw_logprobs"].to_pylist() == stored
     back = load_rollouts(path)
     assert back.schema == SCHEMA
     as_bits = [pa.compute.list_flatten(t["engine_raw_logprobs"]).to_numpy(zero_copy_only=False).view("uint32").tolist()
