@@ -72,6 +72,15 @@ def rows_to_table(columns: dict[str, Sequence]) -> pa.Table:
     return table
 
 
+def _flat_float32(column) -> tuple:
+    """(values, offsets) of a list<float32> column: a float32 numpy array (NaN at a null element) and int32 offsets."""
+    import numpy as np
+
+    values = pa.compute.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.float32)
+    lengths = pa.compute.list_value_length(column).to_numpy(zero_copy_only=False)
+    return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
 def round_mantissa(table: pa.Table, bits: int) -> pa.Table:
     """Round the per-token float32 logprobs to ``bits`` explicit mantissa bits (23 = unchanged), nearest, ties away.
 
@@ -91,28 +100,16 @@ def round_mantissa(table: pa.Table, bits: int) -> pa.Table:
     for name in ("engine_logprobs", "trainer_logprobs", "engine_raw_logprobs"):
         if name not in table.column_names:
             continue
-        column = table[name]
-        values = pa.compute.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.float32)
-        lengths = pa.compute.list_value_length(column).to_numpy(zero_copy_only=False)
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        values, offsets = _flat_float32(table[name])
         as_int = values.view(np.uint32)
         rounded = ((as_int + np.uint32(1 << (drop - 1))) & np.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)).view(np.float32)
         values = np.where(np.isfinite(values), rounded, values)
-        array = pa.ListArray.from_arrays(offsets, pa.array(values, pa.float32()))
+        array = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
         table = table.set_column(table.column_names.index(name), name, array)
     return table
 
 
 RAW = "engine_raw_logprobs"
-
-
-def _flat_float32(column) -> tuple:
-    """(values, offsets) of a list<float32> column: a float32 numpy array (NaN at a null element) and int32 offsets."""
-    import numpy as np
-
-    values = pa.compute.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.float32)
-    lengths = pa.compute.list_value_length(column).to_numpy(zero_copy_only=False)
-    return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def compact_raw(table: pa.Table) -> pa.Table:
@@ -144,12 +141,14 @@ def expand_raw(table: pa.Table) -> pa.Table:
     :func:`compact_raw` left out); the table itself where there is none."""
     import numpy as np
 
-    if RAW not in table.column_names or pa.compute.list_flatten(table[RAW]).null_count == 0:
+    if RAW not in table.column_names:
         return table
-    flat = pa.compute.list_flatten(table[RAW])
+    missing = pa.compute.list_flatten(table[RAW]).is_null()
+    if not pa.compute.any(missing).as_py():
+        return table
     raw, offsets = _flat_float32(table[RAW])
     engine, _ = _flat_float32(table["engine_logprobs"])
-    values = np.where(flat.is_null().to_numpy(zero_copy_only=False), engine, raw)
+    values = np.where(missing.to_numpy(zero_copy_only=False), engine, raw)
     array = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
     return table.set_column(table.column_names.index(RAW), RAW, array)
 
