@@ -607,10 +607,11 @@ class Calibration:
         centre = [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)]
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
         cap = config.spike_excess if config.spike_excess is not None else math.inf
+        floor = self.spike_floor()
         # the tokens no side found likely, until a bucket reads its own setting's (_unlikely_read): the reading from
         # all of them kept (before the last restart too), at least spike_excess, +inf from fewer than
         # UNLIKELY_MIN_TOKENS or where heavy
-        kept_unlikely = [max(fixed_spike, unlikely_spike_threshold(bucket[1:], bucket[0], cap, self.spike_floor()))
+        kept_unlikely = [max(fixed_spike, unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor))
                          for bucket in self._unlikely]
         drift_threshold = config.drift_threshold if config.drift_threshold is not None else math.inf
         tokens_per_sample = (sum(bucket[0] for bucket in self._sums) / self.rows if self.rows > 0
@@ -626,7 +627,6 @@ class Calibration:
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
         quantile = [extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha) for bucket in self._sums]
-        floor = self.spike_floor()
         spike = []
         for q, w, n, v, u in zip(quantile, warm, candidates, self._variance, uncalibrated, strict=True):
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
