@@ -241,7 +241,8 @@ def markdown(results: list[dict]) -> str:
 def main(
     data: str = typer.Option(DEFAULT_DATA, help="glob of parquet files of clean (and model-generated faulty) rollouts"),
     preset_name: str = typer.Option("defaults", "--preset", help="guard configuration to measure"),
-    faults_per_condition: int = typer.Option(2000, help="rollouts per synthetic fault kind per condition"),
+    faults_per_condition: int = typer.Option(1000, help="rollouts per synthetic fault kind per condition (every "
+                                             "published figure used 1000)"),
     step_rows: int = typer.Option(256, help="rollouts per training step"),
     fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream"),
     warmup_steps: int = typer.Option(20, help="steps of a setting (phase 1's, then resampled clean rows with "

@@ -217,6 +217,35 @@ def plot_trade_off(curves: dict[str, list[float]], guard: dict[str, tuple[float,
     plt.close(figure)
 
 
+def same_draws(run: dict, path: Path, **bound: object) -> None:
+    """Refuse, in one line naming the field, a guard run whose faults were drawn otherwise than this bound's: the
+    bound scores the same rows as ``benchmarks/fidelity.py`` only with the same data, seed, faults per condition,
+    step size and support (a run written before ``same_support`` existed compared on the full vocabulary).
+
+    >>> same_draws({"seed": 0, "faults_per_condition": 1000}, Path("r.json"), seed=0, faults_per_condition=1000)
+    >>> try:
+    ...     same_draws({"seed": 1}, Path("r.json"), seed=0)
+    ... except typer.BadParameter as error:
+    ...     print(error)  # doctest: +ELLIPSIS
+    --guard-results r.json was run with seed=1, this bound with seed=0: pass --seed 1, or a guard run made with ...
+    """
+    recorded = {**run, "same_support": run.get("same_support") or False}
+    if "data" in run:
+        recorded["data"] = [str(REPO / p) if not Path(p).is_absolute() else p for p in run["data"]]
+        bound["data"] = [str(Path(p).resolve()) for p in bound.get("data", [])]
+    for field, value in bound.items():
+        if field in recorded and recorded[field] != value:
+            theirs, ours = recorded[field], value
+            if field == "data":
+                raise typer.BadParameter(f"--guard-results {path} was run on other data ({len(theirs)} files, this "
+                                         f"bound {len(ours)}): pass its --data glob, or a guard run on this data")
+            option = field.replace("_", "-")
+            flag = (lambda v: f"--{option}" if v else f"--no-{option}") if isinstance(value, bool) else (
+                lambda v: f"--{option} {v}")
+            raise typer.BadParameter(f"--guard-results {path} was run with {field}={theirs!r}, this bound with "
+                                     f"{field}={ours!r}: pass {flag(theirs)}, or a guard run made with {flag(ours)}")
+
+
 @app.command()
 def main(
     data: str = typer.Option(DEFAULT_DATA, help="glob of parquet files, as benchmarks/fidelity.py"),
@@ -235,12 +264,15 @@ def main(
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file: generate the data "
                                  "(benchmarks/fidelity_data/README.md)")
+    guard = {}
+    if guard_results.exists():
+        run = json.loads(guard_results.read_text())
+        same_draws(run, guard_results, faults_per_condition=faults_per_condition, step_rows=step_rows, seed=seed,
+                   same_support=same_support, data=paths)
+        guard = {r["condition"]: r["figures"] for r in run["results"]}
     started = time.perf_counter()
     table = read_tables(paths)
     generator = torch.Generator().manual_seed(seed)  # the same draws, in the same order, as benchmarks/fidelity.py
-    guard = {}
-    if guard_results.exists():
-        guard = {r["condition"]: r["figures"] for r in json.loads(guard_results.read_text())["results"]}
     bound: dict[str, dict[str, float]] = {}  # out of sample (the module's docstring)
     optimistic: dict[str, dict[str, float]] = {}  # in sample: each row scored against its own tokens too
     price: dict[str, dict[str, float]] = {}  # false share the oracle needs for the goal, where the bound is below

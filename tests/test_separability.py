@@ -82,3 +82,72 @@ def test_the_trade_off_curve_reads_the_best_score_at_each_false_share():
     faulty = {"A": torch.tensor([999.5, 995.0, 960.0, 500.0]), "B": torch.ones(4)}
     assert trade_off(clean, faulty, rates=(0.001, 0.01, 0.1)) == [1.0, 1.0, 1.0]
     assert trade_off({"A": clean["A"]}, {"A": faulty["A"]}, rates=(0.001, 0.01, 0.1)) == [0.25, 0.5, 0.75]
+
+
+def _guard_run(tmp_path, **fields):
+    """A guard results file as ``benchmarks/fidelity.py`` writes it, with ``fields`` changed."""
+    import json
+    from benchmarks.fidelity import DEFAULT_DATA, REPO
+    import glob
+    run = {"data": [str(Path(p).relative_to(REPO)) for p in sorted(glob.glob(DEFAULT_DATA))],
+           "faults_per_condition": 1000, "step_rows": 256, "seed": 0, "same_support": True, "results": []}
+    path = tmp_path / "results-defaults.json"
+    path.write_text(json.dumps({**run, **fields}))
+    return path
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"faults_per_condition": 2000}, "--faults-per-condition 2000"),
+    ({"seed": 1}, "--seed 1"),
+    ({"step_rows": 128}, "--step-rows 128"),
+    ({"same_support": False}, "--no-same-support"),
+    ({"same_support": None}, "--no-same-support"),  # written before the option existed: the full vocabulary
+    ({"data": ["benchmarks/fidelity_data/h200-llama_clean_0.parquet"]}, "other data"),
+])
+def test_a_guard_run_with_other_draws_is_refused_before_the_data_is_read(tmp_path, monkeypatch, fields, named):
+    """The bound prints the guard's recall beside its own for the same rows only if both drew them alike: a guard
+    run with another seed, fault count, step size, support or data is refused in one line naming the option, before
+    any data is read and with nothing written (before, the two commands' defaults drew 2,000 and 1,000 faults)."""
+    from typer.testing import CliRunner
+    from benchmarks import separability
+
+    def unread(paths):
+        raise AssertionError("data read before the --guard-results check")
+
+    monkeypatch.setattr(separability, "read_tables", unread)
+    result = CliRunner().invoke(separability.app, ["--same-support", "--guard-results",
+                                                   str(_guard_run(tmp_path, **fields)), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert named in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_guard_run_with_the_same_draws_goes_on_to_the_data(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    from benchmarks import separability
+
+    class Read(Exception):
+        pass
+
+    def read(paths):
+        raise Read
+
+    monkeypatch.setattr(separability, "read_tables", read)
+    result = CliRunner().invoke(separability.app, ["--same-support", "--guard-results", str(_guard_run(tmp_path)),
+                                                   "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, Read), result.output
+
+
+def test_the_two_benchmarks_draw_the_same_number_of_faults_by_default():
+    import inspect
+    from benchmarks import fidelity, separability
+    defaults = [inspect.signature(m.main).parameters["faults_per_condition"].default.default
+                for m in (fidelity, separability)]
+    assert defaults == [1000, 1000]
+
+
+def test_the_module_examples_run():
+    import doctest
+    from benchmarks import separability
+    result = doctest.testmod(separability)
+    assert result.attempted > 0 and result.failed == 0
