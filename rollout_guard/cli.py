@@ -63,7 +63,7 @@ def audit(
     prompt_tokens: int = typer.Option(8, help="Tokens per random prompt (with --stress: 1 to 2 × this)."),
     samples: int = typer.Option(4, help="Completions per prompt (per round)."),
     max_tokens: int = typer.Option(32, help="Tokens per completion (with --stress: each request draws its limit from "
-                                   "[max/4, max])."),
+                                   "\\[max/4, max])."),
     temperature: float = typer.Option(1.0),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16, for vLLM and transformers alike."),
     trainer_dtype: str | None = typer.Option(None, help="dtype of the transformers model only (default: --dtype), e.g. "

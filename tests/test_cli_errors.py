@@ -96,3 +96,10 @@ def test_replay_usage_errors(tmp_path):
     junk = tmp_path / "junk.jsonl"
     junk.write_text("not json\n")
     one_line_error(run("replay", str(junk)), "holds no quarantine records")  # its one unreadable line is skipped and counted
+
+
+def test_help_texts_keep_their_square_brackets():
+    """Typer renders help with rich markup, where an unescaped ``[max/4, max]`` is a tag and vanishes."""
+    result = CliRunner().invoke(app, ["audit", "--help"], env={"COLUMNS": "240"}, terminal_width=240)
+    assert result.exit_code == 0, result.output
+    assert "[max/4, max]" in result.output
