@@ -239,11 +239,17 @@ def same_draws(run: dict, path: Path, **bound: object) -> None:
             if field == "data":
                 raise typer.BadParameter(f"--guard-results {path} was run on other data ({len(theirs)} files, this "
                                          f"bound {len(ours)}): pass its --data glob, or a guard run on this data")
-            option = field.replace("_", "-")
-            flag = (lambda v: f"--{option}" if v else f"--no-{option}") if isinstance(value, bool) else (
-                lambda v: f"--{option} {v}")
             raise typer.BadParameter(f"--guard-results {path} was run with {field}={theirs!r}, this bound with "
-                                     f"{field}={ours!r}: pass {flag(theirs)}, or a guard run made with {flag(ours)}")
+                                     f"{field}={ours!r}: pass {_flag(field, theirs)}, or a guard run made with "
+                                     f"{_flag(field, ours)}")
+
+
+def _flag(field: str, value: object) -> str:
+    """The option that sets ``field`` to ``value``: ``--seed 1``, ``--same-support``, ``--no-same-support``."""
+    option = field.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{option}" if value else f"--no-{option}"
+    return f"--{option} {value}"
 
 
 @app.command()
