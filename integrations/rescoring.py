@@ -50,7 +50,7 @@ def rescore(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[
     """
     if len(prompts) != len(completions):
         raise ValueError(f"prompts and completions: {len(prompts)} vs {len(completions)} rows; "
-                         f"pass one completion per prompt")
+                         "pass one completion per prompt")
     device = next(model.parameters()).device
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     out: list[list[float]] = [[] for _ in prompts]

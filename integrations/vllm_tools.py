@@ -97,7 +97,7 @@ class StressSettings:
             f"token budget per step (--max-num-batched-tokens): {show(self.max_num_batched_tokens)}",
             f"concurrent requests (--max-num-seqs): {show(self.max_num_seqs)}",
             f"cache blocks (--cache-blocks): {show(self.cache_blocks)}",
-            f"prefix caching: "
+            "prefix caching: "
                 f"{show(None if self.prefix_caching is None else ('on' if self.prefix_caching else 'off'))}",
             f"rounds: {self.rounds}",
             f"lengths: {'varied' if self.vary_lengths else 'as given'}",
@@ -167,8 +167,8 @@ def start_engine(model: str, **kwargs: Any) -> VllmEngine:
     except Exception as error:  # vLLM raises many types; the CLI turns this into one line and exit code 2
         message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         raise AuditUsageError(f"vLLM could not start {model} ({type(error).__name__}: {message[:300]}); "
-                              f"check the model "
-                              f"and the engine options") from error
+                              "check the model "
+                              "and the engine options") from error
 
 
 # ----------------------------------------------------------------------------------------------- input checks
@@ -180,7 +180,7 @@ def check_model(model: str) -> None:
     if path.exists():
         if not (path / "config.json").is_file():
             raise AuditUsageError(f"MODEL {model}: no config.json in that folder; "
-                                  f"pass a model folder saved with save_pretrained")
+                                  "pass a model folder saved with save_pretrained")
         return
     if model.count("/") <= 1 and not model.startswith((".", "/")):
         from huggingface_hub import try_to_load_from_cache
@@ -188,7 +188,7 @@ def check_model(model: str) -> None:
         if isinstance(try_to_load_from_cache(model, "config.json"), str):
             return
     raise AuditUsageError(f"MODEL {model}: no such folder, and no hub model of that name in the local cache; pass a "
-                          f"model folder or download the model first")
+                          "model folder or download the model first")
 
 
 def check_audit_inputs(prompt_file: Path | None, samples: int, max_tokens: int, temperature: float, dtype: str,
@@ -198,12 +198,12 @@ def check_audit_inputs(prompt_file: Path | None, samples: int, max_tokens: int, 
         raise AuditUsageError(f"--dtype {dtype}: vLLM and transformers run {', '.join(DTYPES)}; pick one of those")
     if samples < 1:
         raise AuditUsageError(f"--samples {samples}: need at least 1 completion per prompt "
-                              f"(0 samples would check nothing)")
+                              "(0 samples would check nothing)")
     if max_tokens < 1:
         raise AuditUsageError(f"--max-tokens {max_tokens}: need at least 1 token per completion")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise AuditUsageError(f"--temperature {temperature}: use a positive number "
-                              f"(greedy decoding gives no sampling logprobs to compare)")
+                              "(greedy decoding gives no sampling logprobs to compare)")
     if not 0.0 <= inject_rate <= 1.0:
         raise AuditUsageError(f"--inject-rate {inject_rate}: use a share of samples between 0 and 1")
     for name, value in (("--max-num-batched-tokens", stress.max_num_batched_tokens),
@@ -217,26 +217,26 @@ def check_audit_inputs(prompt_file: Path | None, samples: int, max_tokens: int, 
             and stress.max_num_batched_tokens < stress.max_num_seqs):
         raise AuditUsageError(f"--max-num-batched-tokens {stress.max_num_batched_tokens} is below --max-num-seqs "
                               f"{stress.max_num_seqs}: vLLM needs a budget of at least one token "
-                              f"per concurrent request")
+                              "per concurrent request")
     if prompt_file is None:
         if random_prompts < 1 or prompt_tokens < 1:
             raise AuditUsageError(f"--random-prompts {random_prompts} --prompt-tokens {prompt_tokens}: "
-                                  f"need at least 1 prompt "
-                                  f"of at least 1 token (or pass --prompts FILE)")
+                                  "need at least 1 prompt "
+                                  "of at least 1 token (or pass --prompts FILE)")
         return
     if not prompt_file.is_file():
         raise AuditUsageError(f"--prompts {prompt_file}: no such file; "
-                              f"pass a text file with one prompt per line (or .jsonl)")
+                              "pass a text file with one prompt per line (or .jsonl)")
     raw = prompt_file.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise AuditUsageError(f"--prompts {prompt_file}: not UTF-8 text (byte {error.start}); "
-                              f"pass a text file with one "
-                              f"prompt per line") from error
+                              "pass a text file with one "
+                              "prompt per line") from error
     if "\x00" in text:
         raise AuditUsageError(f"--prompts {prompt_file}: binary file (NUL bytes); "
-                              f"pass a text file with one prompt per line")
+                              "pass a text file with one prompt per line")
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise AuditUsageError(f"--prompts {prompt_file}: no prompts (the file is empty); put one prompt per line")
@@ -294,8 +294,8 @@ def load_transformers(model: str, dtype: str) -> tuple[Any, Any]:
     except (OSError, ValueError, KeyError) as error:
         message = " ".join(str(error).split())[:300]
         raise AuditUsageError(f"transformers could not load {model} ({type(error).__name__}: {message}); "
-                              f"pass a causal LM "
-                              f"folder with its tokenizer") from error
+                              "pass a causal LM "
+                              "folder with its tokenizer") from error
 
 
 def padded(rows: list[list[float | None]], width: int) -> torch.Tensor:
@@ -358,7 +358,7 @@ def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path 
     limit = model_max_len(model)
     if limit is not None and longest > limit:
         raise AuditUsageError(f"the longest prompt ({longest - max_tokens} tokens) + --max-tokens {max_tokens} "
-                              f"exceeds the "
+                              "exceeds the "
                               f"model's {limit} positions; lower --max-tokens or shorten the prompts")
     engine = start_engine(model, dtype=dtype, seed=seed, max_model_len=min(limit, longest) if limit else longest,
                           **stress.engine_kwargs())

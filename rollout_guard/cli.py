@@ -191,7 +191,7 @@ def replay(
     _quiet_vllm()
     if not store.exists():
         raise _fail(f"STORE {store}: no such folder or file; pass the quarantine folder the guard wrote "
-                    f"(OUTPUT/rollout_guard/quarantine, or audit's -o DIR/quarantine)")
+                    "(OUTPUT/rollout_guard/quarantine, or audit's -o DIR/quarantine)")
     if dtype not in DTYPES:
         raise _fail(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
     try:
@@ -253,7 +253,7 @@ def replay(
                   highlight=False)
     if result.verdict_fresh_engine is not None:
         fresh_report = result.verdict_fresh_engine
-        console.print(f"fresh engine vs replayed trainer: max |Δ| "
+        console.print("fresh engine vs replayed trainer: max |Δ| "
                       f"{format_value(fresh_report.metrics['max_abs_delta'])}, "
                       f"suspect: {bool(fresh_report.suspect[0])}", highlight=False)
         if bool(recorded.suspect[0]) and not bool(fresh_report.suspect[0]):

@@ -330,7 +330,7 @@ class GuardConfig:
         if self.doubtful_logprob >= self.confident_logprob:
             raise GuardConfigError("doubtful_logprob", self.doubtful_logprob,
                                    f"use a value below confident_logprob={self.confident_logprob:g} "
-                                   f"(a token cannot be both)")
+                                   "(a token cannot be both)")
         if not (_is_number(self.calibrated_spike_floor) and 0 <= self.calibrated_spike_floor < math.inf):
             raise GuardConfigError("calibrated_spike_floor", self.calibrated_spike_floor, "use nats ≥ 0, e.g. 1.5")
         if not (_is_number(self.calibrated_drift_floor) and 0 <= self.calibrated_drift_floor < math.inf):

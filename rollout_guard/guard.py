@@ -306,12 +306,12 @@ class RolloutGuard:
         reason = (
             f"{share:.0%} of the rollouts at step {report.step} were suspect, above max_quarantine_share="
             f"{config.max_quarantine_share:g} for {totals.steps_above_ceiling} step(s) in a row: "
-            f"the engine itself looks broken "
+            "the engine itself looks broken "
             f"(max |Δ| {report.metrics['max_abs_delta']:.3g} nats), not one sample"
         )
         if config.on_ceiling in ("stop", "raise") and config.quarantines:  # monitor mode never stops training
             report.stop_training = (f"rollout_guard stopped training: {reason}. "
-                                    f"Check the engine (weight sync, cache state, "
+                                    "Check the engine (weight sync, cache state, "
                                     "version) before resuming; the quarantine store holds the evidence.")
             totals.stopped = report.stop_training
             alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,

@@ -164,7 +164,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
     summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>"
                            for k, v in summary.items())
     config_html = html.escape(json.dumps(config, indent=1))
-    stopped_html = (f'<p class="stopped"><b>TRAINING WAS STOPPED by the circuit breaker</b> (the run did not finish as '
+    stopped_html = ('<p class="stopped"><b>TRAINING WAS STOPPED by the circuit breaker</b> (the run did not finish as '
                     f'planned): {html.escape(str(stopped))}</p>' if stopped else "")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout_guard report</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} img{{max-width:100%;display:block;margin:8px 0}}

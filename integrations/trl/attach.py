@@ -69,10 +69,10 @@ class TrlGuard:
                  keep_steps: bool = False) -> None:
         if config is not None and not isinstance(config, GuardConfig):
             raise GuardError(f"attach_guard(trainer, config={config!r}): config must be a GuardConfig, e.g. "
-                             f"attach_guard(trainer, GuardConfig(mode='monitor'))")
+                             "attach_guard(trainer, GuardConfig(mode='monitor'))")
         if sinks is not None and not (isinstance(sinks, (list, tuple)) and all(hasattr(s, "on_step") for s in sinks)):
             raise GuardError(f"attach_guard(trainer, sinks={sinks!r}): sinks must be a list of sinks "
-                             f"(objects with on_records, "
+                             "(objects with on_records, "
                              "on_step and on_end), e.g. [LocalFilesSink(folder, config)], or None for the defaults")
         if not isinstance(keep_steps, bool):
             raise GuardError(f"attach_guard(trainer, keep_steps={keep_steps!r}): use True or False")
@@ -182,7 +182,7 @@ class TrlGuard:
         if trainer.use_vllm or getattr(trainer, "rollout_func", None) is not None:
             message = processed_logprobs_warning(trainer)
             if message is not None and self.support is not None:
-                message = (f"rollout_guard: the engine reports logprobs renormalised over what "
+                message = ("rollout_guard: the engine reports logprobs renormalised over what "
                            f"{describe(self.support.settings)} keeps; the guard compares the trainer's on the same "
                            "support (its log-mass of it from the pass "
                            "that computes its logprobs; GuardConfig.compare_on_engine_support).")
@@ -347,7 +347,7 @@ class TrlGuard:
         if self.config.quarantines:
             raise GuardError(message)
         alert = self.guard.alerts.error("advantage_replica", report.step, float(len(report.check_failed_on)), 0.0,
-                                        f"rollout_guard: TRL's advantages differ from the guard's replica at step "
+                                        "rollout_guard: TRL's advantages differ from the guard's replica at step "
                                         f"{report.step}",
                                         message + "; monitor mode: training goes on")
         if alert is not None:

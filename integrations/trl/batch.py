@@ -156,7 +156,7 @@ def check_action_inputs(batch: dict[str, Any], rewards: torch.Tensor | None, row
     if rewards is None:
         raise GuardInputError("rewards", "TRL's _calculate_rewards was not called in this generation step",
                               f"use a TRL GRPOTrainer ({describe_trl()}), "
-                              f"whose _generate_and_score_completions calls it")
+                              "whose _generate_and_score_completions calls it")
     if (rewards.dim() != 2 or rewards.shape[0] % settings.group_size
             or rewards.shape[1] != settings.reward_weights.numel()):
         raise GuardInputError("rewards", f"shape {tuple(rewards.shape)}, expected "

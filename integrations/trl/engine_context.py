@@ -131,7 +131,7 @@ class EngineContextCollector:
                 try:
                     self._record_call(outputs, call_started, generated - started)
                 except Exception as error:  # noqa: BLE001 - context is diagnostics: never break generation
-                    self._say("call-failed", f"rollout_guard: engine context of a generate call failed "
+                    self._say("call-failed", "rollout_guard: engine context of a generate call failed "
                               f"({type(error).__name__}: {error})")
                 self.seconds += time.perf_counter() - generated
                 return outputs
@@ -252,7 +252,7 @@ class EngineContextCollector:
             values = server_step_context(now, self._server_before)
             values["scrape_seconds"] = time.perf_counter() - started
         except Exception as error:  # noqa: BLE001 - no metrics endpoint: say so once, record nothing
-            self._say("scrape", f"rollout_guard: could not read the vLLM server's /metrics "
+            self._say("scrape", "rollout_guard: could not read the vLLM server's /metrics "
                       f"({type(error).__name__}: {error}); "
                       "no engine values in server mode")
             return {}

@@ -55,7 +55,7 @@ def support_changes(trainer: Any) -> list[str]:
     top_k = setting("top_k", 0)
     if top_k is not None and top_k > 0:
         changes.append(f"top_k={top_k} (engine logprob higher by −log(mass of the top {top_k}); "
-                       f"unbounded on flat distributions)")
+                       "unbounded on flat distributions)")
     min_p = setting("min_p", None)
     if min_p:
         changes.append(f"min_p={min_p:g} (engine logprob higher by −log(kept mass))")
