@@ -258,7 +258,8 @@ def main(
                                            "setting unannounced, like a policy whose entropy jumps"),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
-    out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for results-<preset>.{json,md} and sweep-<preset>.{json,png}"),
+    out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity",
+                             help="folder for results-<preset>.{json,md} and sweep-<preset>.{json,png}"),
     overrides: list[str] = typer.Option([], "--set", help="FIELD=VALUE: measure the preset with this GuardConfig field "
                                         "changed (repeat for more), e.g. --set calibrated_drift_floor=2.0"),
 ) -> None:
