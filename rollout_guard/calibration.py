@@ -315,6 +315,20 @@ def unlikely_spike_threshold(histogram: Sequence[float], tokens: float, cap: flo
     return max(floor, UNLIKELY_MARGIN * quiet) if quiet <= cap else math.inf
 
 
+SETTLE_AT_ONCE_STEPS = 10
+"""steps since the start or a restart during which a step's calibration update is applied at once, at the end of
+its own step (on the host's critical path, after the one host sync); from then on it is applied while the next
+step's packet is computed (:meth:`Calibration.defer`), so that a step is judged with the calibration of the samples
+kept up to the step before the previous one. Values lag by a step; a warm-up that waits a step longer for each of
+its readings costs more: measured on the fidelity benchmark (1,000 faults per condition, seed 0, told, on the
+engine's support), deferring from the first step raised false quarantines 6 → 19 of 122,368 (worst condition
+0.037 → 0.112 %, over the goal) and isolated spikes missed 314 → 331 of 27,000; at once for the first 3, 10, 20
+steps: false quarantines 7, 6, 6; isolated spikes 316, 315, 312; late onset 15, 14, 14 (14 at once throughout);
+flagged resampled judgements 51, 51, 53 of 888,995 (52). What it buys: the update and the thresholds read from it,
+~0.2 ms of host time per step on an H200 machine, overlap the fused kernel instead of following it
+(``benchmarks/statistics_speed.py``)."""
+
+
 UNANNOUNCED_FOLLOW: float | None = 0.25
 """nats. A guard that is never told the sampling settings (:attr:`Calibration.announced` False) judges a bucket
 around its batch's own median wherever that lies more than this from the calibrated centre
@@ -404,6 +418,9 @@ class Calibration:
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
         self._row_scaling: tuple[list[float], float, float] = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)
+        self.age = 0  # steps applied (update) since the start or the last restart
+        # a step's contributions held by :meth:`defer` until :meth:`settle`: (K×W rows, kept rows, kept drift)
+        self._pending: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
 
     @property
     def sums(self) -> torch.Tensor:
@@ -465,6 +482,7 @@ class Calibration:
         122,368). A quiet setting followed by one whose such tokens carry a healthy 1–18-nat tail on 4 in 1,000
         (a unit test, 256 rows of 32 such tokens a step): 73 healthy rows of 12,800 flagged before the kept
         reading turned heavy (5 steps), 249 with the frozen carry (16 steps)."""
+        self.settle()  # the step held back belongs to the old settings' calibration
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
         announced, unlikely = self._announced, self._unlikely
@@ -643,15 +661,18 @@ class Calibration:
                                                   strict=True)]
         return centre, allowance, spike, unlikely
 
-    def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None) -> None:
+    def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None,
+               judged_with: tuple[list[float], list[bool]] | None = None) -> None:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
         drift CUSUM of the samples the drift reading sees (kept, or flagged by the drift rule alone), (n,) host
-        tensor over all processes (NaN: no token, skipped)."""
+        tensor over all processes (NaN: no token, skipped). ``judged_with``: the centres and centred flags the step
+        was judged with (:meth:`judged_with`); default the current ones."""
+        # the step's tokens were centred with the centre then in use (0 before it is set): move them to absolute d
+        centres, centred = judged_with if judged_with is not None else self.judged_with()
         self._forget_readings()
+        self.age += 1
         rows = contribution.double().cpu().tolist()
         decay = self.config.calibration_decay
-        # the step's tokens were centred with the centre then in use (0 before it is set): move them to absolute d
-        centred = self.centred_flags()  # as the step's tokens were judged
         # a bucket still learning its centre adds nothing to the sums the thresholds read: its x are off by the
         # whole offset (top-k=5: ~1.5 nats on every token; see CENTRE_WARMUP_TOKENS)
         if any(centred):
@@ -670,7 +691,7 @@ class Calibration:
             self._fresh[k] = self._fresh[k] * decay + tokens
             if self._fresh[k] > 0:
                 weight = tokens / max(self._fresh[k], 1e-12)  # 1 on the first step after a restart
-                new_mean = (self._centre[k] if centred[k] else 0.0) + mean_then
+                new_mean = centres[k] + mean_then
                 self._centre[k] = self._centre[k] * (1 - weight) + new_mean * weight
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
         if self.centred_flags() != centred:  # the next step's CUSUM comes from other allowances
@@ -683,13 +704,45 @@ class Calibration:
             self._drift = [value * decay + added for value, added in zip(self._drift, counts, strict=True)]
             self._drift_rows = self._drift_rows * decay + float(values.numel())
 
+    def judged_with(self) -> tuple[list[float], list[bool]]:
+        """The centres (nats; 0 where not set) and centred flags a step judged now is judged with: what
+        :meth:`update` needs to place that step's tokens."""
+        centred = self.centred_flags()
+        return [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)], centred
+
+    def defer(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None,
+              judged_with: tuple[list[float], list[bool]]) -> None:
+        """One step's contributions (those of :meth:`update`): applied at once during the first
+        :data:`SETTLE_AT_ONCE_STEPS` steps since the start or the last restart, else held until :meth:`settle`
+        (the one held before is applied first). The guard settles a held step while the next step's packet is
+        computed, so that the host work of the update overlaps the device's
+        (:meth:`rollout_guard.guard.RolloutGuard.inspect`); the thresholds a step is judged with then come from
+        the samples kept up to the step before the previous one. What is held is part of :meth:`state_dict`."""
+        self.settle()
+        if self.age < SETTLE_AT_ONCE_STEPS:
+            self.update(contribution, kept_rows, kept_drift, judged_with)
+        else:
+            self._pending = (contribution, float(kept_rows), kept_drift, judged_with)
+
+    def settle(self) -> bool:
+        """Apply the step :meth:`defer` holds, if any (:meth:`update`); whether there was one."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        self.update(*pending)
+        return True
+
     def state_dict(self) -> dict:
         return {"sums": [list(bucket) for bucket in self._sums], "centre": list(self._centre),
                 "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh),
                 "fresh_rows": self._fresh_rows,
                 "drift": list(self._drift), "drift_rows": self._drift_rows,
                 "unlikely": [list(bucket) for bucket in self._unlikely], "carried": list(self._carried),
-                "unlikely_fresh": list(self._unlikely_fresh)}
+                "unlikely_fresh": list(self._unlikely_fresh), "age": self.age,
+                "pending": None if self._pending is None else [
+                    self._pending[0].double().tolist(), self._pending[1],
+                    None if self._pending[2] is None else self._pending[2].double().tolist(),
+                    [list(part) for part in self._pending[3]]]}
 
     def load_state_dict(self, state: dict) -> None:
         self._forget_readings()
@@ -710,3 +763,9 @@ class Calibration:
         # a checkpoint from before the calibrated drift threshold: its histogram starts empty (the fixed one)
         self._drift = [float(value) for value in state.get("drift", [0.0] * NUM_EXCESS_BINS)]
         self._drift_rows = float(state.get("drift_rows", 0.0))
+        self.age = int(state.get("age", 0))  # a checkpoint from before the deferred update: nothing held
+        pending = state.get("pending")
+        self._pending = None if pending is None else (
+            torch.tensor(pending[0], dtype=torch.float64), float(pending[1]),
+            None if pending[2] is None else torch.tensor(pending[2], dtype=torch.float64),
+            ([float(value) for value in pending[3][0]], [bool(flag) for flag in pending[3][1]]))

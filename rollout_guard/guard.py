@@ -128,6 +128,8 @@ class RolloutGuard:
         self.calibration_resets = 0
         self.last_guard_seconds = 0.0
         self._kernel_parameters: tuple | None = None  # (thresholds, drift threshold, their kernel table on the device)
+        self._judged_drift: float | None = None  # nats: the drift threshold of the last packet built
+        self._judged_with: tuple | None = None  # the centres and centred flags it was built with (Calibration)
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
@@ -161,6 +163,10 @@ class RolloutGuard:
                 batch = evidence.batch_size
             except Exception as caught:  # noqa: BLE001 - must still join the collective below
                 error = caught
+        try:  # on every rank, whatever happened above, so that every rank holds the same calibration
+            self._settle_calibration()
+        except Exception as caught:  # noqa: BLE001 - deterministic on gathered data: every rank lands here
+            error = error if error is not None else caught
         if error is not None:
             if batch_size is None:
                 raise error
@@ -206,22 +212,40 @@ class RolloutGuard:
         if batch_centres:
             thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own, follow, spiky,
                                                  self.calibration.spike_floor())
+        self._judged_drift = self.calibration.drift_threshold_value()
+        self._judged_with = self.calibration.judged_with()
         if fused:
-            values = self.calibration.threshold_values()  # the same object until the next update
-            drift = self.calibration.drift_threshold_value()
-            cached = self._kernel_parameters
-            if (cached is None or cached[0] is not values or cached[1] != drift
-                    or cached[2].device != evidence.device):
-                table = fused_statistics.kernel_parameters(self.config, values, evidence.device, drift,
-                                                           self.calibration.row_scaling())
-                cached = (values, drift, table)
-                self._kernel_parameters = cached
-            table = cached[2] if shift is None else fused_statistics.with_centres(cached[2], thresholds)
+            table = self._kernel_table(evidence.device)
+            table = table if shift is None else fused_statistics.with_centres(table, thresholds)
             packet = fused_statistics.fused_packet(evidence, self.config, table)
         else:
-            packet = reference_packet(evidence, self.config, thresholds, self.calibration.drift_threshold_value(),
+            packet = reference_packet(evidence, self.config, thresholds, self._judged_drift,
                                       self.calibration.row_scaling(evidence.device))
         return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
+
+    def _settle_calibration(self) -> None:
+        """The previous step's calibration update (:meth:`Calibration.defer`), the thresholds read from it and,
+        for the fused kernel, the next step's parameter table: host work done while the device computes this
+        step's packet."""
+        if not self.calibration.settle():
+            return
+        self.calibration.threshold_values()
+        self.calibration.drift_threshold_value()
+        if self._kernel_parameters is not None:
+            self._kernel_table(self._kernel_parameters[2].device)
+
+    def _kernel_table(self, device: torch.device) -> torch.Tensor:
+        """The fused kernel's parameter table for the calibration's current thresholds on ``device``: built once
+        per calibration update (:func:`fused_statistics.kernel_parameters`, a non-blocking copy), then reused."""
+        values = self.calibration.threshold_values()  # the same object until the next update
+        drift = self.calibration.drift_threshold_value()
+        cached = self._kernel_parameters
+        if cached is None or cached[0] is not values or cached[1] != drift or cached[2].device != device:
+            table = fused_statistics.kernel_parameters(self.config, values, device, drift,
+                                                       self.calibration.row_scaling())
+            cached = (values, drift, table)
+            self._kernel_parameters = cached
+        return cached[2]
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
                started: float) -> StepReport:
@@ -248,7 +272,7 @@ class RolloutGuard:
             local_rows=local_rows,
             local_quarantined=local_quarantined,
             check_failed_on=[rank for rank, flag in enumerate(host[:, 1].tolist()) if flag],
-            drift_threshold=self.calibration.drift_threshold_value(),  # before this step's update
+            drift_threshold=self._judged_drift,
         )
         report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
                                       report.delta_histogram, self.config.quarantines)
@@ -259,7 +283,8 @@ class RolloutGuard:
         # of healthy rows in a dense-7B-tail stream); the ceiling bounds what corruption can do to it
         seen = (reasons_host & ~RULE_BIT["drift"]) == 0
         kept_drift = report.samples[seen, COLUMN["drift_cusum"]]  # the global batch: the same on every rank
-        self.calibration.update(calibration, float(host[:, layout.kept_rows].sum()), kept_drift)
+        # applied while the next step's packet is computed (Calibration.defer): off the host's critical path
+        self.calibration.defer(calibration, float(host[:, layout.kept_rows].sum()), kept_drift, self._judged_with)
         report.metrics.update(self._calibration_metrics())
         report.alerts = self.alerts.check(step, report.metrics)
         self._circuit_breaker(report)

@@ -1,5 +1,6 @@
 """The direction-aware, self-calibrating detector: CUSUM, spike rule, calibration (borderline and clean cases)."""
 
+import json
 import math
 
 import pytest
@@ -245,6 +246,69 @@ def test_calibration_state_round_trip_and_identical_on_two_ranks():
     restored = Calibration(config)
     restored.load_state_dict(guards[0].calibration.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(restored.thresholds(), guards[0].calibration.thresholds(), strict=True))
+
+
+def test_a_held_update_is_applied_on_every_rank_even_where_the_step_fails():
+    """Past the first SETTLE_AT_ONCE_STEPS steps a step's calibration update is held and applied during the next
+    step; a rank whose next step fails before its packet must still apply it, or its calibration falls a step
+    behind the other ranks' (and judges its rows with other thresholds from then on)."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=500)
+    generator = torch.Generator().manual_seed(4)
+    steps = calibration_module.SETTLE_AT_ONCE_STEPS + 2
+    evidence = [[offset_batch(generator, 8, 32, 0.7, [1] if rank == 0 else []) for rank in range(2)]
+                for _ in range(steps)]
+    group = ThreadGroup(2)
+    guards = [RolloutGuard(config, gather=group.gather_for(rank), process_index=rank) for rank in range(2)]
+
+    def run(rank: int) -> None:
+        for step in range(steps):
+            guards[rank].inspect(evidence[step][rank], step=step + 1, batch_size=8)
+        failing = RuntimeError("rank 1 could not build its evidence") if rank == 1 else evidence[0][rank]
+        guards[rank].inspect(failing, step=steps + 1, batch_size=8)
+
+    group.run(run)
+    assert all(guard.totals.failures == 1 for guard in guards)
+    states = [guard.calibration.state_dict() for guard in guards]
+    assert states[0]["pending"] is None and states[0]["age"] == steps
+    assert states[0] == states[1]
+
+
+def test_a_checkpoint_taken_while_an_update_is_held_resumes_the_same_run():
+    """The held update is part of the saved state: a guard restored from a checkpoint taken between two steps
+    judges the next steps exactly as the one that ran on (without it, its calibration would miss a step)."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=500)
+    generator = torch.Generator().manual_seed(5)
+    batches = [offset_batch(generator, 16, 32, 0.7, [step % 16]) for step in range(20)]
+    guard = RolloutGuard(config)
+    for step in range(15):
+        guard.inspect(batches[step], step=step + 1)
+    saved = json.loads(json.dumps(guard.state_dict(), allow_nan=True))
+    assert saved["calibration"]["pending"] is not None  # past SETTLE_AT_ONCE_STEPS: held
+    restored = RolloutGuard(config)
+    restored.load_state_dict(saved)
+    for step in range(15, 20):
+        ran_on, resumed = (g.inspect(batches[step], step=step + 1) for g in (guard, restored))
+        assert torch.equal(ran_on.samples.nan_to_num(-1.0), resumed.samples.nan_to_num(-1.0))
+        assert torch.equal(ran_on.reasons, resumed.reasons)
+    assert guard.calibration.state_dict() == restored.calibration.state_dict()
+
+
+def test_a_held_update_places_its_tokens_with_the_centres_they_were_judged_with():
+    """A held step's tokens were centred with the centres in use when it was judged, which the update before it
+    may since have moved: its mean goes on the centre it was judged with. Here a step judged around 0 whose tokens
+    average 1 nat moves the centre toward 1 nat; placed on the current centre (1 nat) it would pull it toward 2."""
+    config = GuardConfig()
+    calibration = Calibration(config)
+    tokens = 4000.0
+    one_nat = torch.zeros(NUM_ENGINE_BUCKETS, statistics_module.CALIBRATION_WIDTH, dtype=torch.float64)
+    one_nat[:, 0], one_nat[:, 1], one_nat[:, 2] = tokens, tokens * 1.0, tokens * 1.0  # x = 1 nat on every token
+    around_zero = ([0.0] * NUM_ENGINE_BUCKETS, [True] * NUM_ENGINE_BUCKETS)
+    calibration.update(one_nat, 100.0, judged_with=([0.0] * NUM_ENGINE_BUCKETS, [False] * NUM_ENGINE_BUCKETS))
+    assert calibration.centre.tolist() == pytest.approx([1.0] * NUM_ENGINE_BUCKETS)
+    calibration.update(one_nat, 100.0, judged_with=around_zero)
+    assert calibration.centre.tolist() == pytest.approx([1.0] * NUM_ENGINE_BUCKETS)  # 0 + 1: where it was
+    calibration.update(one_nat, 100.0)  # judged with the current centres (1 nat): the tokens lie at 2 nats
+    assert calibration.centre.min() > 1.3
 
 
 def test_fixed_thresholds_before_calibration():
