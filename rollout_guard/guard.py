@@ -23,8 +23,8 @@ from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
-from rollout_guard.packet import (PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet,
-    step_metrics)
+from rollout_guard.packet import (MAX_AGGREGATES, PacketLayout, combine_aggregates, empty_packet, reanchor,
+    reference_packet, step_metrics)
 from rollout_guard.statistics import (
     CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, batch_thresholds,
 )
@@ -130,6 +130,7 @@ class RolloutGuard:
         self._kernel_parameters: tuple | None = None  # (thresholds, drift threshold, their kernel table on the device)
         self._judged_drift: float | None = None  # nats: the drift threshold of the last packet built
         self._judged_with: tuple | None = None  # the centres and centred flags it was built with (Calibration)
+        self._metrics_cache: tuple | None = None  # (thresholds, drift threshold, resets, their metrics)
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
@@ -229,8 +230,7 @@ class RolloutGuard:
         step's packet."""
         if not self.calibration.settle():
             return
-        self.calibration.threshold_values()
-        self.calibration.drift_threshold_value()
+        self._calibration_metrics()  # reads the thresholds
         if self._kernel_parameters is not None:
             self._kernel_table(self._kernel_parameters[2].device)
 
@@ -253,38 +253,51 @@ class RolloutGuard:
         width = layout.width
         # the one host sync: statuses, check flags, statistics, verdicts, histogram and calibration in one copy
         host = gathered.cpu()
-        if (host[:, 0] != STATUS_OK).any():
+        head = host[:, :2].tolist()  # per rank: status, check flag
+        if any(status != STATUS_OK for status, _ in head):
             return self._failed_step(step, batch, host[:, 0], error, started)
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
-        reasons_host = host[:, layout.reasons].flatten().to(torch.int32)
+        reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         suspect_host = reasons_host != 0
         if self.config.quarantines:  # from the device copy: no host→device transfer
             local_quarantined = gathered[self.process_index, layout.reasons] != 0
         else:
             local_quarantined = torch.zeros(batch, dtype=torch.bool, device=gathered.device)
+        # the step's sums over ranks, one op: histogram, calibration, kept rows, aggregates (maxima maxed below)
+        tail = host[:, layout.histogram.start:]
+        summed = tail.sum(dim=0)
+        offset = layout.histogram.start
+        histogram = summed[: NUM_DELTA_BINS].to(torch.int64)
         report = StepReport(
             step=step,
             samples=host[:, layout.samples].reshape(-1, width).double(),
             suspect=suspect_host,
             reasons=reasons_host,
             quarantined=suspect_host if self.config.quarantines else torch.zeros_like(suspect_host),
-            delta_histogram=host[:, layout.histogram].sum(dim=0).to(torch.int64),
+            delta_histogram=histogram,
             local_rows=local_rows,
             local_quarantined=local_quarantined,
-            check_failed_on=[rank for rank, flag in enumerate(host[:, 1].tolist()) if flag],
+            check_failed_on=[rank for rank, (_, flag) in enumerate(head) if flag],
             drift_threshold=self._judged_drift,
         )
-        report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
-                                      report.delta_histogram, self.config.quarantines)
+        aggregates = summed[layout.kept_rows - offset:].tolist()  # kept rows, then the aggregates
+        kept_rows = aggregates.pop(0)
+        if host.shape[0] > 1:  # the maxima: maxed over ranks, not summed
+            first, last = MAX_AGGREGATES[0], MAX_AGGREGATES[-1] + 1
+            aggregates[first:last] = tail[:, layout.aggregates.start - offset + first:
+                                           layout.aggregates.start - offset + last].amax(dim=0).tolist()
+        report.metrics = step_metrics(combine_aggregates([aggregates]), host.shape[0] * batch,
+                                      summed[: NUM_DELTA_BINS].tolist(), self.config.quarantines)
         report.metrics["guard_failures"] = float(self.totals.failures)
-        calibration = host[:, layout.calibration].sum(dim=0).view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
+        calibration = summed[layout.calibration.start - offset: layout.calibration.stop - offset].view(
+            NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
         # the drift histogram also sees the rows the drift rule alone flagged: without them it only sees CUSUMs below
         # the threshold in use, its reading can only fall, and a heavy tail then fires at the floor (measured: 0.37 %
         # of healthy rows in a dense-7B-tail stream); the ceiling bounds what corruption can do to it
         seen = (reasons_host & ~RULE_BIT["drift"]) == 0
         kept_drift = report.samples[seen, COLUMN["drift_cusum"]]  # the global batch: the same on every rank
         # applied while the next step's packet is computed (Calibration.defer): off the host's critical path
-        self.calibration.defer(calibration, float(host[:, layout.kept_rows].sum()), kept_drift, self._judged_with)
+        self.calibration.defer(calibration, kept_rows, kept_drift, self._judged_with)
         report.metrics.update(self._calibration_metrics())
         report.alerts = self.alerts.check(step, report.metrics)
         self._circuit_breaker(report)
@@ -352,9 +365,13 @@ class RolloutGuard:
             report.alerts.append(alert)
 
     def _calibration_metrics(self) -> dict[str, float]:
-        """The thresholds the next step will use, per engine bucket (nats)."""
-        centre, _, spike, unlikely = self.calibration.threshold_values()
+        """The thresholds the next step will use, per engine bucket (nats); read once per calibration update."""
+        values = self.calibration.threshold_values()  # the same object until the next update
         drift = self.calibration.drift_threshold_value()
+        cached = self._metrics_cache
+        if cached is not None and cached[0] is values and cached[1] == drift and cached[2] == self.calibration_resets:
+            return cached[3]
+        centre, _, spike, unlikely = values
         metrics = {"calibrated_buckets": float(sum(self.calibration.calibrated_flags())),
                    "calibration_resets": float(self.calibration_resets),
                    "calibration/drift_threshold": drift if drift is not None else math.nan}
@@ -363,6 +380,7 @@ class RolloutGuard:
             metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
         # the other buckets have (almost) no such tokens; NaN while they are not judged (+inf): a metric with no data
         metrics["calibration/unlikely_spike_b0"] = unlikely[0] if math.isfinite(unlikely[0]) else math.nan
+        self._metrics_cache = (values, drift, self.calibration_resets, metrics)
         return metrics
 
     def _update_totals(self, report: StepReport) -> None:

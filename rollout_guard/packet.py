@@ -151,8 +151,8 @@ def aggregate_rows(samples: torch.Tensor, reasons: torch.Tensor) -> torch.Tensor
 def combine_aggregates(per_rank: list[list[float]]) -> dict[str, float]:
     """Aggregates of every rank (host lists, rank order) → one dict: sums added, maxima maxed (−inf → NaN)."""
     combined = {}
-    for index, (name, how) in enumerate(AGGREGATES):
-        values = [rank[index] for rank in per_rank]
+    columns = list(zip(*per_rank)) if per_rank else [()] * len(AGGREGATES)
+    for (name, how), values in zip(AGGREGATES, columns, strict=True):
         if how == "max":
             best = max(values) if values else -math.inf
             combined[name] = best if best != -math.inf else math.nan
@@ -161,7 +161,7 @@ def combine_aggregates(per_rank: list[list[float]]) -> dict[str, float]:
     return combined
 
 
-def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Tensor,
+def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Tensor | list[float],
                  quarantines: bool) -> dict[str, float]:
     """The per-step metrics from the combined aggregates: what :func:`rollout_guard.statistics.step_aggregates`
     computes from the sample table, plus suspect/quarantined counts and shares, rule counts and, when the batch

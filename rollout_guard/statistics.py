@@ -8,6 +8,7 @@ is NaN (never a pad's 0.0). Per step, aggregates over all valid tokens of the (g
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 import math
 from typing import NamedTuple
 
@@ -522,8 +523,9 @@ def delta_histogram(evidence: RolloutEvidence, config: GuardConfig | None = None
     return summarise(evidence, config or GuardConfig())[1]
 
 
-def histogram_quantile(counts: torch.Tensor, q: float) -> float:
-    """The q-quantile of |Δ| from histogram counts, log-interpolated inside its bin (NaN when empty).
+def histogram_quantile(counts: torch.Tensor | Sequence[float], q: float) -> float:
+    """The q-quantile of |Δ| from histogram counts (a tensor or a list), log-interpolated inside its bin (NaN when
+    empty).
 
     Accurate to the bin width, 1/8 decade (a factor of 1.33); the overflow bin reports its lower edge. Callers
     that know the exact maximum clip the estimate to it.
@@ -532,7 +534,8 @@ def histogram_quantile(counts: torch.Tensor, q: float) -> float:
     >>> round(histogram_quantile(counts, 0.5), 4)
     0.1155
     """
-    values = [float(c) for c in counts.tolist()]  # a few dozen bins: plain Python beats small tensor ops
+    # a few dozen bins: plain Python beats small tensor ops
+    values = counts.tolist() if isinstance(counts, torch.Tensor) else counts
     total = sum(values)
     if total <= 0:
         return math.nan
