@@ -13,10 +13,13 @@ warm-up, each ending in a device synchronisation:
   kernel launch alone (``fused_packet`` + synchronisation); and a first step (no centre known, after
   ``recalibrate``), judged around the batch's own centres (``batch_thresholds``: a few more torch ops).
 
-The guard runs warm (its calibration fed by earlier steps, as in a real run) and is told the sampling settings,
-as the TRL adapter tells it (a guard never told them pays the first step's extra pass every step). Before timing, the fused packet is
-checked against the reference packet on the same device (verdicts, counts and histograms exactly; float sums to
-float32 rounding). Also printed: the guard's extra device memory (peak above its inputs) against its inputs.
+The guard runs warm (its calibration fed by earlier steps, as in a real run) and is told the sampling settings, as
+the TRL adapter tells it (a guard never told them pays the first step's extra pass every step). On the GPU the TRL
+ops and the fused guard are then timed alternately ``--rounds`` times: the ratio's median and range over pairs of
+medians taken back to back (single medians a minute apart differed by up to 1.7× on a lent H200 host). Before
+timing, the fused packet is checked against the reference packet on the same device (verdicts, counts and
+histograms exactly; float sums to float32 rounding). Also printed: the guard's extra device memory (peak above its
+inputs) against its inputs.
 
     python benchmarks/statistics_speed.py --device cuda --out statistics_speed.json
     python benchmarks/statistics_speed.py            # CPU: reference only, small sizes
@@ -160,6 +163,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", default=None, help="comma-separated ROWSxTOKENS (default depends on the device)")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="on the GPU, then time TRL's ops and the fused guard alternately this many times (a "
+                             "shared host drifts between measurements a minute apart); the ratio's median and range")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -228,6 +234,13 @@ def main() -> None:
             trl_metric_ops(evidence.trainer_logprobs, evidence.engine_logprobs, evidence.mask)
             row["trl_ops_extra_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
             row["fused_over_trl"] = fused_seconds / trl_seconds
+            row["rounds"] = []
+            for _ in range(args.rounds):  # interleaved: each ratio from two medians taken back to back
+                trl_ms = 1e3 * time_it(lambda: trl_metric_ops(evidence.trainer_logprobs, evidence.engine_logprobs,
+                                                              evidence.mask), device, args.repeats)
+                fused_ms = 1e3 * time_it(lambda: guard.inspect(evidence, step=next(step), sampling=SAMPLING), device,
+                                         args.repeats)
+                row["rounds"].append({"trl_ops_ms": trl_ms, "guard_fused_ms": fused_ms, "ratio": fused_ms / trl_ms})
         row["reference_over_trl"] = reference_seconds / trl_seconds
         rows_out.append(row)
         print(json.dumps(row), flush=True)
@@ -245,6 +258,14 @@ def main() -> None:
               f"{fused if fused is not None else math.nan:>15.3f} {row.get('fused_over_trl', math.nan):>10.2f} "
               f"{row.get('guard_extra_mib', math.nan):>10.2f} {row['input_mib']:>10.1f} {ok:>6}")
     for row in rows_out:
+        if row.get("rounds"):
+            ratios = sorted(r["ratio"] for r in row["rounds"])
+            print(f"fused/TRL at {row['rows']}×{row['tokens_per_row']} in {len(ratios)} interleaved rounds: median "
+                  f"{ratios[len(ratios) // 2]:.2f} (range {ratios[0]:.2f}–{ratios[-1]:.2f}; TRL ops "
+                  f"{min(r['trl_ops_ms'] for r in row['rounds']):.3f}–{max(r['trl_ops_ms'] for r in row['rounds']):.3f}"
+                  f" ms, guard {min(r['guard_fused_ms'] for r in row['rounds']):.3f}–"
+                  f"{max(r['guard_fused_ms'] for r in row['rounds']):.3f} ms)")
+    for row in rows_out:
         if "host_syncs_per_step" in row:
             print(f"host syncs per step at {row['rows']}×{row['tokens_per_row']}: {row['host_syncs_per_step']}; "
                   f"a first step (the batch's own centres and spike thresholds): "
@@ -255,7 +276,8 @@ def main() -> None:
                   f"not calibrated, batch's pass every step: {row['batch_pass_every_step']}")
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"device": name, "torch": torch.__version__, "repeats": args.repeats, "rows": rows_out}, handle, indent=2)
+            json.dump({"device": name, "torch": torch.__version__, "repeats": args.repeats, "rounds": args.rounds,
+                       "rows": rows_out}, handle, indent=2)
 
 
 if __name__ == "__main__":

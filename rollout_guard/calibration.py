@@ -2,8 +2,11 @@
 
 Like a torchmetrics metric, this object owns its state and its sync: every step the guard adds the
 contributions of the samples it kept (never the suspect ones), summed over all processes inside the guard's one
-gather, so every rank holds the same state; it is saved and restored with checkpoints. From the state come, per
-bucket of the engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_EDGES`):
+gather, so every rank holds the same state; it is saved and restored with checkpoints. After the first
+:data:`SETTLE_AT_ONCE_STEPS` steps since a start or restart a step's contributions are applied during the next
+step, while the device computes that step's packet (:meth:`Calibration.defer`, :meth:`Calibration.settle`), so a
+step is judged with what was kept up to the step before the previous one. From the state come, per bucket of the
+engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_EDGES`):
 
 * the centre of ``d = engine − trainer``: the mean of ``clip(d − centre_then, −2, 4)`` over kept tokens, added to
   the centre in use when they were judged. It absorbs the systematic offset of processed logprobs (top-k/top-p
@@ -396,8 +399,9 @@ def drift_threshold(histogram: Sequence[float], rows: float, alpha: float, floor
 class Calibration:
     """Decayed per-bucket sums of kept tokens: count, Σ clip(x), histogram of x; and the centres in use.
 
-    A few hundred numbers, updated once per step on the host: kept as Python floats (a tensor op per number
-    would cost more than the arithmetic); ``sums``, ``centre`` and ``variance`` read them as float64 tensors."""
+    A few hundred numbers, updated once per step on the host (:meth:`update`, or held by :meth:`defer` until
+    :meth:`settle`): kept as Python floats (a tensor op per number would cost more than the arithmetic); ``sums``,
+    ``centre`` and ``variance`` read them as float64 tensors."""
 
     def __init__(self, config: GuardConfig) -> None:
         self.config = config

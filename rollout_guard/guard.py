@@ -5,6 +5,10 @@ functions. Each :meth:`RolloutGuard.inspect` makes exactly one collective call (
 rank, whatever happens) and one device→host copy, so every rank reaches the same verdict on the same global
 batch, logs the same numbers and takes the same decisions, failures included: a rank that cannot build its
 statistics still joins the gather, flagging its failure, and every rank then skips (or raises) together.
+
+The host work that does not need this step's results runs while the device computes the step's packet: the
+calibration update of the step before (held a step once the calibration is past its first steps,
+:meth:`rollout_guard.calibration.Calibration.defer`), the thresholds read from it and the next kernel table.
 """
 
 from __future__ import annotations
@@ -177,9 +181,12 @@ class RolloutGuard:
             packet[1:2] = check_failed.to(device=packet.device, dtype=packet.dtype).reshape(1)
         elif check_failed:
             packet[1:2] = 1.0
-        gathered = self.gather(packet.to(self.device)).view(-1, packet.numel())  # the one collective
+        sent = packet.to(self.device)
+        # this rank's verdicts as a device mask, launched before the gather's wait (no host→device copy after it)
+        local = sent[PacketLayout(batch).reasons] != 0 if self.config.quarantines else None
+        gathered = self.gather(sent).view(-1, packet.numel())  # the one collective
         try:
-            return self._judge(step, batch, gathered, error, started)
+            return self._judge(step, batch, gathered, error, started, local)
         except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
             return self._failed_step(step, batch, gathered[:, 0].cpu(), caught, started)
 
@@ -248,7 +255,7 @@ class RolloutGuard:
         return cached[2]
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
-               started: float) -> StepReport:
+               started: float, local: torch.Tensor | None = None) -> StepReport:
         layout = PacketLayout(batch)
         width = layout.width
         # the one host sync: statuses, check flags, statistics, verdicts, histogram and calibration in one copy
@@ -260,7 +267,7 @@ class RolloutGuard:
         reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         suspect_host = reasons_host != 0
         if self.config.quarantines:  # from the device copy: no host→device transfer
-            local_quarantined = gathered[self.process_index, layout.reasons] != 0
+            local_quarantined = local if local is not None else gathered[self.process_index, layout.reasons] != 0
         else:
             local_quarantined = torch.zeros(batch, dtype=torch.bool, device=gathered.device)
         # the step's sums over ranks, one op: histogram, calibration, kept rows, aggregates (maxima maxed below)
