@@ -162,7 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", default=None, help="comma-separated ROWSxTOKENS (default depends on the device)")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5,
                         help="on the GPU, then time TRL's ops and the fused guard alternately this many times (a "
                              "shared host drifts between measurements a minute apart); the ratio's median and range")

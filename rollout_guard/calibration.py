@@ -327,9 +327,10 @@ its readings costs more: measured on the fidelity benchmark (1,000 faults per co
 engine's support), deferring from the first step raised false quarantines 6 → 19 of 122,368 (worst condition
 0.037 → 0.112 %, over the goal) and isolated spikes missed 314 → 331 of 27,000; at once for the first 3, 10, 20
 steps: false quarantines 7, 6, 6; isolated spikes 316, 315, 312; late onset 15, 14, 14 (14 at once throughout);
-flagged resampled judgements 51, 51, 53 of 888,995 (52). What it buys: the update and the thresholds read from it,
-~0.2 ms of host time per step on an H200 machine, overlap the fused kernel instead of following it
-(``benchmarks/statistics_speed.py``)."""
+flagged resampled judgements 51, 51, 53 of 888,995 (52). What it buys: the update, the thresholds read from it
+and the next kernel table, 0.23–0.24 ms of host time per step on the H200 machine, overlap the fused kernel
+instead of following the step's host sync: at 512×8192 tokens the step took 0.55–0.57 ms held against 0.76–0.77 ms
+at once (``benchmarks/results-2026-12-02-twentyfirst/``)."""
 
 
 UNANNOUNCED_FOLLOW: float | None = 0.25
