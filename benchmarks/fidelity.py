@@ -8,8 +8,8 @@ goal: recall ≥ 99.9 % of corrupted rollouts at ≤ 0.1 % false quarantines of 
 with no extra forward pass (the guard only reads the logprobs TRL already has). PASS compares the point
 estimate; CI-PASS also needs the whole interval on the right side of the goal.
 
-    python benchmarks/fidelity.py                         # today's GuardConfig defaults
-    python benchmarks/fidelity.py --preset defaults --out benchmarks/results-fidelity
+    python benchmarks/fidelity.py --same-support          # today's GuardConfig defaults, into runs/fidelity/
+    python benchmarks/fidelity.py --preset v0.1 --out runs/fidelity-v0.1   # release 0.1's fixed thresholds
 """
 
 from __future__ import annotations
@@ -258,8 +258,9 @@ def main(
                                            "setting unannounced, like a policy whose entropy jumps"),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
-    out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity",
-                             help="folder for results-<preset>.{json,md} and sweep-<preset>.{json,png}"),
+    out: Path = typer.Option(REPO / "runs" / "fidelity",
+                             help="folder for results-<preset>.{json,md} and sweep-<preset>.{json,png} (default: "
+                                  "runs/fidelity, ignored by git; the published runs are under benchmarks/)"),
     overrides: list[str] = typer.Option([], "--set", help="FIELD=VALUE: measure the preset with this GuardConfig field "
                                         "changed (repeat for more), e.g. --set calibrated_drift_floor=2.0"),
 ) -> None:

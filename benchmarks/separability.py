@@ -35,7 +35,7 @@ and a tail scale read from a cell's 20 largest |d| is a coarse model, so in many
 spike in the T0.7/top_p1 runs: the bound 34–92 %, the guard 100 %). Where even the in-sample score misses the
 goal, the cell is not separable by per-token rarity however the bound is read.
 
-    python benchmarks/separability.py --out benchmarks/results-fidelity
+    python benchmarks/separability.py --same-support     # beside runs/fidelity/results-defaults.json
 """
 
 from __future__ import annotations
@@ -258,9 +258,11 @@ def main(
     faults_per_condition: int = typer.Option(1000, help="rollouts per synthetic fault kind per condition"),
     step_rows: int = typer.Option(256, help="as benchmarks/fidelity.py (the noise models' tail rate uses it)"),
     seed: int = typer.Option(0),
-    guard_results: Path = typer.Option(REPO / "benchmarks" / "results-fidelity" / "results-defaults.json",
-                                       help="the guard's results beside which to print the bound (optional)"),
-    out: Path = typer.Option(REPO / "benchmarks" / "results-fidelity", help="folder for separability.json/.md"),
+    guard_results: Path = typer.Option(REPO / "runs" / "fidelity" / "results-defaults.json",
+                                       help="the guard's results beside which to print the bound (optional; default: "
+                                            "what fidelity.py writes by default)"),
+    out: Path = typer.Option(REPO / "runs" / "fidelity", help="folder for separability.json/.md (default: "
+                                                               "runs/fidelity, ignored by git)"),
     trainer_bins: bool = typer.Option(True, help="cells by both sides' logprob bins and the sign of d; off: by the "
                                       "engine's bins and the sign only, as the guard buckets (separability-engine.*)"),
     same_support: bool = typer.Option(False, help="the trainer on the engine's support, as benchmarks/fidelity.py "
