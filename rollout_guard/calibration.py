@@ -424,8 +424,9 @@ class Calibration:
         self._drift_value: float | None = None  # until the next update
         self._row_scaling: tuple[list[float], float, float] = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)
         self.age = 0  # steps applied (update) since the start or the last restart
-        # a step's contributions held by :meth:`defer` until :meth:`settle`: (K×W rows, kept rows, kept drift)
-        self._pending: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
+        # a step's contributions held by :meth:`defer` until :meth:`settle`: (K×W sums, kept rows, kept drift,
+        # the centres and centred flags it was judged with)
+        self._pending: tuple[torch.Tensor, float, torch.Tensor | None, tuple[list[float], list[bool]]] | None = None
 
     @property
     def sums(self) -> torch.Tensor:
