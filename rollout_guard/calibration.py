@@ -627,8 +627,8 @@ class Calibration:
         self._row_scaling = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)  # no bucket read: every row alike
         fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess, inf
         fixed_allowance, fixed_spike = fixed[1][0], fixed[2][0]
-        warm, centred = self.calibrated_flags(), self.centred_flags()
-        centre = [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)]
+        warm = self.calibrated_flags()
+        centre, centred = self.judged_with()
         uncalibrated = [max(fixed_spike, c) for c in self._carried]  # the spike threshold until calibrated (restart)
         cap = config.spike_excess if config.spike_excess is not None else math.inf
         floor = self.spike_floor()

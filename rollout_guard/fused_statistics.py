@@ -134,7 +134,6 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
     mask = evidence.mask
     batch, length = mask.shape
     device = mask.device
-    layout = PacketLayout(batch)
     out = _empty_packet(batch, str(device)).clone()  # one copy instead of a fill and a write (host time)
     if batch == 0:
         out[0] = 1.0

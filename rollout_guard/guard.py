@@ -27,8 +27,8 @@ from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
-from rollout_guard.packet import (MAX_AGGREGATES, PacketLayout, combine_aggregates, empty_packet, reanchor,
-    reference_packet, step_metrics)
+from rollout_guard.packet import (PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet,
+    step_metrics)
 from rollout_guard.statistics import (
     CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, batch_thresholds,
 )
@@ -255,7 +255,7 @@ class RolloutGuard:
         return cached[2]
 
     def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
-               started: float, local: torch.Tensor | None = None) -> StepReport:
+               started: float, local: torch.Tensor | None) -> StepReport:
         layout = PacketLayout(batch)
         width = layout.width
         # the one host sync: statuses, check flags, statistics, verdicts, histogram and calibration in one copy
@@ -266,14 +266,13 @@ class RolloutGuard:
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
         reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         suspect_host = reasons_host != 0
-        if self.config.quarantines:  # from the device copy: no host→device transfer
-            local_quarantined = local if local is not None else gathered[self.process_index, layout.reasons] != 0
+        if self.config.quarantines:  # from the device copy (inspect): no host→device transfer
+            local_quarantined = local
         else:
             local_quarantined = torch.zeros(batch, dtype=torch.bool, device=gathered.device)
-        # the step's sums over ranks, one op: histogram, calibration, kept rows, aggregates (maxima maxed below)
-        tail = host[:, layout.histogram.start:]
-        summed = tail.sum(dim=0)
+        # the step's sums over ranks in one op: histogram, calibration, kept rows
         offset = layout.histogram.start
+        summed = host[:, offset: layout.kept_rows + 1].sum(dim=0)
         histogram = summed[: NUM_DELTA_BINS].to(torch.int64)
         report = StepReport(
             step=step,
@@ -287,13 +286,7 @@ class RolloutGuard:
             check_failed_on=[rank for rank, (_, flag) in enumerate(head) if flag],
             drift_threshold=self._judged_drift,
         )
-        aggregates = summed[layout.kept_rows - offset:].tolist()  # kept rows, then the aggregates
-        kept_rows = aggregates.pop(0)
-        if host.shape[0] > 1:  # the maxima: maxed over ranks, not summed
-            first, last = MAX_AGGREGATES[0], MAX_AGGREGATES[-1] + 1
-            aggregates[first:last] = tail[:, layout.aggregates.start - offset + first:
-                                           layout.aggregates.start - offset + last].amax(dim=0).tolist()
-        report.metrics = step_metrics(combine_aggregates([aggregates]), host.shape[0] * batch,
+        report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
                                       summed[: NUM_DELTA_BINS].tolist(), self.config.quarantines)
         report.metrics["guard_failures"] = float(self.totals.failures)
         calibration = summed[layout.calibration.start - offset: layout.calibration.stop - offset].view(
@@ -304,7 +297,7 @@ class RolloutGuard:
         seen = (reasons_host & ~RULE_BIT["drift"]) == 0
         kept_drift = report.samples[seen, COLUMN["drift_cusum"]]  # the global batch: the same on every rank
         # applied while the next step's packet is computed (Calibration.defer): off the host's critical path
-        self.calibration.defer(calibration, kept_rows, kept_drift, self._judged_with)
+        self.calibration.defer(calibration, float(summed[-1]), kept_drift, self._judged_with)
         report.metrics.update(self._calibration_metrics())
         report.alerts = self.alerts.check(step, report.metrics)
         self._circuit_breaker(report)
