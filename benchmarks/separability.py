@@ -16,7 +16,9 @@ with m the largest clean |d| of the cell below it and β the cell's exponential 
 its 20 largest |d| over the 21st). A sample scores ``A = max s`` (its rarest token), ``B = Σ relu(s − ln 100)``
 and ``C = Σ relu(s − ln 1000)`` (many rare tokens). Thresholds are set *with hindsight* on the condition's clean
 samples so that at most 0.1 % of them score above (one score alone, or two at 0.05 % each), and the best recall
-over those choices is reported.
+over those choices is reported. Held out (:func:`cross_fitted`, twenty-second session): the choice and its
+thresholds made on a random half of a cell's samples and counted on the other half, as a rule fixed in advance
+would be (its false share then varies around 0.1 % from half to half).
 
 Why out of sample (sixteenth session): scored against its own tokens too, a clean row's rarest token is never
 rarer than one in N/2 while a fault's token past a sparse cell's clean maximum, by any margin, is one in N; fresh
@@ -54,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity import DEFAULT_DATA, REPO, conditions, synthetic_faults  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
-from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL  # noqa: E402
+from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, wilson  # noqa: E402
 
 EDGES = torch.tensor([-6.0, -3.0, -1.5, -0.5])  # nats, for both sides' logprob bins
 TAIL_TOKENS = 20  # the largest clean |d| of a cell whose mean excess is its exponential tail's scale
@@ -144,15 +146,68 @@ def hindsight_threshold(clean: torch.Tensor, share: float) -> float:
     return float(ranked[allowed]) if allowed < clean.numel() else -math.inf
 
 
+Rule = tuple[tuple[str, float], ...]  # (score name, threshold) pairs: a sample above any one of them is flagged
+
+
+def flagged(scores: dict[str, torch.Tensor], rule: Rule) -> torch.Tensor:
+    """(B,) bool: the samples a rule flags (any of its scores above its threshold)."""
+    out = torch.zeros_like(next(iter(scores.values())), dtype=torch.bool)
+    for name, threshold in rule:
+        out |= scores[name] > threshold
+    return out
+
+
+def candidate_rules(clean: dict[str, torch.Tensor]) -> list[Rule]:
+    """The oracle's rules at ≤ GOAL_FALSE_RATE false on ``clean``: each score alone at that rate, and A with B or
+    with C at half the rate each where the two together stay within it (thresholds: :func:`hindsight_threshold`)."""
+    rules: list[Rule] = [((name, hindsight_threshold(scores, GOAL_FALSE_RATE)),) for name, scores in clean.items()]
+    for first, second in (("A", "B"), ("A", "C")):
+        if first not in clean or second not in clean:
+            continue
+        pair = ((first, hindsight_threshold(clean[first], GOAL_FALSE_RATE / 2)),
+                (second, hindsight_threshold(clean[second], GOAL_FALSE_RATE / 2)))
+        if float(flagged(clean, pair).float().mean()) <= GOAL_FALSE_RATE:
+            rules.append(pair)
+    return rules
+
+
+def best_rule(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor]) -> tuple[Rule, float]:
+    """The candidate rule (:func:`candidate_rules`) with the best recall on ``faulty``, and that recall (the
+    first of equals)."""
+    recalls = [(rule, float(flagged(faulty, rule).float().mean())) for rule in candidate_rules(clean)]
+    return max(recalls, key=lambda pair: pair[1])
+
+
 def best_recall(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor]) -> float:
     """The best recall at ≤ GOAL_FALSE_RATE false over one score or a pair at half the rate each."""
-    best = trade_off(clean, faulty, (GOAL_FALSE_RATE,))[0]  # one score alone
-    for first, second in (("A", "B"), ("A", "C")):
-        t1 = hindsight_threshold(clean[first], GOAL_FALSE_RATE / 2)
-        t2 = hindsight_threshold(clean[second], GOAL_FALSE_RATE / 2)
-        if float(((clean[first] > t1) | (clean[second] > t2)).float().mean()) <= GOAL_FALSE_RATE:
-            best = max(best, float(((faulty[first] > t1) | (faulty[second] > t2)).float().mean()))
-    return best
+    return best_rule(clean, faulty)[1]
+
+
+def cross_fitted(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor], generator: torch.Generator
+                 ) -> dict[str, int]:
+    """The bound with its rule chosen on one half of the samples and counted on the other: the clean and the
+    faulty samples are each split in two at random; on each half the oracle picks its rule and thresholds with
+    hindsight (:func:`best_rule`), and the other half is counted. Returns the faulty samples caught and the clean
+    ones flagged, of how many, over both halves. Where the in-half bound reaches the goal by a row or two, this
+    says whether a rule fixed before seeing the rows would (a real detector's position).
+
+    >>> clean = {"A": torch.arange(4000.0)}  # clean scores 0 … 3999
+    >>> faulty = {"A": torch.full((100,), 5000.0)}
+    >>> cross_fitted(clean, faulty, torch.Generator().manual_seed(0))["caught"]
+    100
+    """
+    clean_order = torch.randperm(len(next(iter(clean.values()))), generator=generator)
+    faulty_order = torch.randperm(len(next(iter(faulty.values()))), generator=generator)
+    halves = [(clean_order[: len(clean_order) // 2], faulty_order[: len(faulty_order) // 2]),
+              (clean_order[len(clean_order) // 2:], faulty_order[len(faulty_order) // 2:])]
+    out = {"caught": 0, "faulty": 0, "flagged": 0, "clean": 0}
+    for (fit_clean, fit_faulty), (held_clean, held_faulty) in (halves, halves[::-1]):
+        rule, _ = best_rule({k: v[fit_clean] for k, v in clean.items()}, {k: v[fit_faulty] for k, v in faulty.items()})
+        out["caught"] += int(flagged({k: v[held_faulty] for k, v in faulty.items()}, rule).sum())
+        out["flagged"] += int(flagged({k: v[held_clean] for k, v in clean.items()}, rule).sum())
+        out["faulty"] += len(held_faulty)
+        out["clean"] += len(held_clean)
+    return out
 
 
 def false_at_goal(clean: dict[str, torch.Tensor], faulty: dict[str, torch.Tensor]) -> float:
@@ -286,6 +341,8 @@ def main(
     price: dict[str, dict[str, float]] = {}  # false share the oracle needs for the goal, where the bound is below
     curves: dict[str, list[float]] = {}  # the oracle's trade-off, in the cells where the guard is below the goal
     guard_points: dict[str, tuple[float, float]] = {}  # the guard's (false rate, recall) there
+    held_out: dict[str, dict[str, dict[str, int]]] = {}  # cross-fitted counts per condition and fault
+    halves = torch.Generator().manual_seed(10_000 + seed)  # the split, apart from the faults' draws
     for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows, same_support):
         sources: dict[str, torch.Tensor] = {}
         faulty = {key: apply(rows) for key, rows in
@@ -296,6 +353,7 @@ def main(
         scored = {fault: rarity.scores(rows, own=clean.rows(sources[fault]) if fault in sources else None)
                   for fault, rows in sorted(faulty.items())}
         bound[name] = {fault: best_recall(clean_scores, scores) for fault, scores in scored.items()}
+        held_out[name] = {fault: cross_fitted(clean_scores, scores, halves) for fault, scores in scored.items()}
         optimistic[name] = {fault: best_recall(clean_in_sample, in_sample.scores(rows))
                             for fault, rows in sorted(faulty.items())}
         price[name] = {fault: false_at_goal(clean_scores, scores) for fault, scores in scored.items()
@@ -333,7 +391,7 @@ def main(
                                                   "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
                                                   "in_sample": optimistic, "false_at_goal": price,
                                                   "trade_off_rates": TRADE_OFF_RATES, "trade_off": curves,
-                                                  "guard": guard_points}, indent=1))
+                                                  "guard": guard_points, "held_out": held_out}, indent=1))
     plot_trade_off(curves, guard_points, out / f"{stem}-trade-off.png")
     curve_lines = [f"| {cell} | {100 * guard_points[cell][1]:.1f} at {100 * guard_points[cell][0]:.3f} % | "
                    + " | ".join(f"{100 * value:.1f}" for value in recall) + " |" for cell, recall in curves.items()]
@@ -346,6 +404,34 @@ def main(
                + f"\n\nonly in sample in {len(short['in sample only'])}"
                + "".join(f"\n- {cell}" for cell in short["in sample only"])
                + f"\n\nneither way in {len(short['neither'])}.")
+    held_lines, held_within, held_near = [], 0, 0
+    for name, cells in held_out.items():
+        for fault, counts in cells.items():
+            reached = (counts["caught"] >= GOAL_RECALL * counts["faulty"]
+                       and counts["flagged"] <= GOAL_FALSE_RATE * counts["clean"])
+            held_within += reached and name in guard
+            # the same, where the clean share's 95 % interval reaches the allowed rate (a rule fixed before the
+            # rows, set to flag 0.1 % of them, flags more than that on half of them by chance)
+            held_near += (name in guard and counts["caught"] >= GOAL_RECALL * counts["faulty"]
+                          and wilson(counts["flagged"], counts["clean"])[0] <= GOAL_FALSE_RATE)
+            mine = guard.get(name, {}).get(fault, {}).get("recall")
+            if mine is not None and mine < GOAL_RECALL:
+                low, high = wilson(counts["caught"], counts["faulty"])
+                false_low, false_high = wilson(counts["flagged"], counts["clean"])
+                held_lines.append(
+                    f"| {name} {fault} | {100 * mine:.1f} at {100 * guard_points[f'{name} {fault}'][0]:.3f} % | "
+                    f"{100 * bound[name][fault]:.1f} | {counts['caught']} of "
+                    f"{counts['faulty']} ({100 * low:.1f}–{100 * high:.1f}) | {counts['flagged']} of {counts['clean']} "
+                    f"({100 * false_low:.2f}–{100 * false_high:.2f} %) | {'yes' if reached else 'no'} |")
+    held = (f"Held out (`cross_fitted`: the rule and its thresholds chosen on a random half of a cell's clean and "
+            f"faulty samples, counted on the other half, and the other way round): the goal ({100 * GOAL_RECALL:g} % "
+            f"caught, ≤ {100 * GOAL_FALSE_RATE:g} % of the clean samples flagged) is reached in {held_within} "
+            f"cells; {held_near} catch {100 * GOAL_RECALL:g} % with the clean share's 95 % interval reaching "
+            f"{100 * GOAL_FALSE_RATE:g} % (thresholds set to flag {100 * GOAL_FALSE_RATE:g} % of one half flag more "
+            f"than that of the other about half the time). In the cells where the guard is below the goal (95 % "
+            f"Wilson intervals):\n\n| cell | guard: recall (%) at false | bound "
+            f"(%) | caught held out | clean flagged held out | goal |\n| --- | --- | --- | --- | --- | --- |\n"
+            + "\n".join(held_lines))
     (out / f"{stem}.md").write_text(
         "# Hindsight separability bound (`benchmarks/separability.py`"
         + ("" if trainer_bins else " --no-trainer-bins: cells by the engine's logprob and the sign of d only")
@@ -354,7 +440,7 @@ def main(
         "of a detector that knows each condition's clean tokens in full and sets its thresholds with the labels "
         "(see the script's docstring), each sample scored out of sample / in sample (against its own row's tokens "
         f"too: optimistic); in brackets the guard's recall from `{guard_results.name}`.\n\n"
-        + "\n".join(lines) + f"\n\n{summary}\n\nWhere the bound is below {100 * GOAL_RECALL:g} % out of sample, "
+        + "\n".join(lines) + f"\n\n{summary}\n\n{held}\n\nWhere the bound is below {100 * GOAL_RECALL:g} % out of sample, "
         "the share of clean samples the same oracle must quarantine to reach it (one score; the goal allows "
         f"{100 * GOAL_FALSE_RATE:g} %):"
         "\n\n| condition | fault | bound (%) | false quarantines for the goal |\n| --- | --- | --- | --- |\n"
@@ -364,7 +450,7 @@ def main(
         "| cell | guard | " + " | ".join(f"{100 * rate:g} %" for rate in TRADE_OFF_RATES) + " |\n"
         + "|" + " --- |" * (2 + len(TRADE_OFF_RATES)) + "\n" + "\n".join(curve_lines) + "\n")
     print("\n".join(lines))
-    print(f"{summary} ({time.perf_counter() - started:.0f} s)")
+    print(f"{summary}\n\n{held}\n({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":
