@@ -31,7 +31,8 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
-from benchmarks.fidelity_kit.rollouts import Rollouts, cat, from_table, padded_column, read_tables  # noqa: E402
+from benchmarks.fidelity_kit.rollouts import (Rollouts, cat, from_table, padded_column, read_tables,  # noqa: E402
+    stitched)
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
 from rollout_guard.config import GuardConfig  # noqa: E402
 from rollout_guard.errors import GuardConfigError  # noqa: E402
@@ -86,16 +87,22 @@ def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
 Noise = Callable[[Rollouts], Rollouts]
 
 
-def conditions(table, seed: int, step_rows: int, same_support: bool = False) -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
+def conditions(table, seed: int, step_rows: int, same_support: bool = False,
+               stitch: int = 1) -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
     """(name, clean base rollouts, real faulty rollouts by fault, noise applied on top, noise parameters) per noise
     condition. The noise goes on top of faulty rows too (after the fault): an engine that reads stale state still
     returns processed logprobs, and a run's numeric noise does not stop at a corrupted sample. ``same_support``:
     the trainer's logprobs renormalised over the engine's support (``noise.on_engine_support``) where it was cut by
-    top-k, as the TRL adapter's ``compare_on_engine_support`` does (top-p alone stays with the calibration)."""
+    top-k, as the TRL adapter's ``compare_on_engine_support`` does (top-p alone stays with the calibration).
+    ``stitch``: rows that many times as long (:func:`~benchmarks.fidelity_kit.rollouts.stitched`): clean rows and
+    real faults corrupted from their first token (context swaps, stale weights) end to end with their own kind, a
+    real late-onset row last after ``stitch − 1`` clean rows of its setting; ``step_rows`` then counts the long
+    rows (pass the original's divided by ``stitch`` for the same tokens per step)."""
     import pyarrow.compute as pc
 
     generator = torch.Generator().manual_seed(seed)
     support_generator = torch.Generator().manual_seed(seed + 7919)  # its own draws: the other conditions' stay as they were
+    stitch_generator = torch.Generator().manual_seed(seed + 104729)  # its own too (none drawn when stitch is 1)
 
     def load(part, name: str, top_k: int) -> Rollouts:
         rows = from_table(part, name)
@@ -120,6 +127,13 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False) -> 
             clean = load(clean_table, name, top_k)
             real_faults = {f"real_{fault}": load(part.filter(pc.equal(part.column("fault"), fault)), name, top_k)
                            for fault in sorted(set(part.column("fault").to_pylist()) - {"none"})}
+            if stitch > 1:
+                real_faults = {fault: stitched(rows, stitch, stitch_generator,
+                                               prefix=clean if "late_onset" in fault else None)
+                               for fault, rows in real_faults.items()}
+                clean = stitched(clean, stitch, stitch_generator)
+                if len(clean) == 0:  # fewer clean rows than one stitched row takes
+                    continue
             for fault, rows in real_faults.items():  # in the pooled stream, sampled under this setting
                 pooled_faults.setdefault(fault, []).append(
                     replace(rows, setting=torch.full((len(rows),), len(pooled_clean), dtype=torch.long)))
@@ -243,7 +257,11 @@ def main(
     preset_name: str = typer.Option("defaults", "--preset", help="guard configuration to measure"),
     faults_per_condition: int = typer.Option(1000, help="rollouts per synthetic fault kind per condition (every "
                                              "published figure used 1000)"),
-    step_rows: int = typer.Option(256, help="rollouts per training step"),
+    step_rows: int = typer.Option(256, help="rollouts per training step (with --stitch N, of the data's rows: a "
+                                  "step then holds step_rows // N long rows, the same tokens per step)"),
+    stitch: int = typer.Option(1, min=1, help="rows N times as long, each N of the data's rows of one setting end to "
+                               "end (fidelity_kit.rollouts.stitched): the noise per token as measured, N times the "
+                               "tokens per verdict (the data's rows hold at most 256 tokens)"),
     fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream"),
     warmup_steps: int = typer.Option(20, help="steps of a setting (phase 1's, then resampled clean rows with "
                                      "fault_share of faults) before phase 2 judges that setting's other faults"),
@@ -272,7 +290,9 @@ def main(
     table = read_tables(paths)
     generator = torch.Generator().manual_seed(seed)
     results, judged_all = [], []
-    for name, clean, real_faults, apply, params in conditions(table, seed, step_rows, same_support):
+    if stitch > 1:
+        step_rows = max(step_rows // stitch, 8)
+    for name, clean, real_faults, apply, params in conditions(table, seed, step_rows, same_support, stitch):
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
@@ -291,7 +311,7 @@ def main(
     all_pass = all(v["pass"] for r in results for v in r["figures"].values())
     summary = {
         "preset": preset_name, "overrides": overrides, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
-        "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows,
+        "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows, "stitch": stitch,
         "fault_share": fault_share, "warmup_steps": warmup_steps,
         "dense_phase2": dense_phase2, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling,
         "same_support": same_support,

@@ -330,6 +330,9 @@ def main(
     guard = {}
     if guard_results.exists():
         run = json.loads(guard_results.read_text())
+        if run.get("stitch", 1) != 1:
+            raise typer.BadParameter(f"--guard-results {guard_results} was run with --stitch {run['stitch']}: the "
+                                     "bound scores the data's own rows; pass a guard run made without --stitch")
         same_draws(run, guard_results, faults_per_condition=faults_per_condition, step_rows=step_rows, seed=seed,
                    same_support=same_support, data=paths)
         guard = {r["condition"]: r["figures"] for r in run["results"]}

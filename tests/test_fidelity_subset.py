@@ -85,3 +85,24 @@ def test_release_0_1_thresholds_fail_the_same_bounds():
     recall, false_rate = measure("v0.1")
     problems = failures(recall, false_rate)
     assert any("late_onset" in p for p in problems) and any("topk5_high_entropy" in p for p in problems), problems
+
+
+def test_stitched_conditions_keep_every_token_and_put_a_real_late_onset_last():
+    """``fidelity.py --stitch 4``: each clean row is 4 of the data's rows of one setting end to end (every token
+    kept once, a setting's remainder dropped); a context swap is 4 swaps of its setting; a real late-onset row is
+    kept whole, last, after 3 clean rows of its setting."""
+    table = fixed_subset(read_tables(DATA), clean_per_source=40, faulty_per_kind=8, seed=0)
+    plain = {name: (clean, real) for name, clean, real, _, _ in conditions(table, seed=0, step_rows=64)}
+    for name, clean, real, _, _ in conditions(table, seed=0, step_rows=16, stitch=4):
+        base, base_real = plain[name]
+        assert len(clean) == len(base) // 4 or "/+" in name  # pooled streams: per setting, each rounded down
+        kept = clean.engine[clean.mask]
+        assert 0 < kept.numel() <= base.engine[base.mask].numel()
+        assert torch.isin(kept, base.engine[base.mask]).all()
+        late = real.get("real_late_onset")
+        if late is not None and len(late):
+            own = base_real["real_late_onset"]
+            tail = own.lengths
+            assert len(late) == len(own) and bool((late.lengths > tail).all())
+            ends = late.engine.gather(1, (late.lengths - 1).unsqueeze(1)).squeeze(1)
+            assert torch.equal(ends, own.engine.gather(1, (tail - 1).unsqueeze(1)).squeeze(1))

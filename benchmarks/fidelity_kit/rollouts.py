@@ -137,3 +137,54 @@ def fixed_subset(table, clean_per_source: int, faulty_per_kind: int, seed: int =
             count = min(rows.num_rows, clean_per_source if fault == "none" else faulty_per_kind)
             parts.append(rows.take(np.sort(generator.choice(rows.num_rows, count, replace=False))))
     return pa.concat_tables(parts)
+
+
+def stitched(rows: Rollouts, factor: int, generator: torch.Generator, prefix: Rollouts | None = None) -> Rollouts:
+    """Rows ``factor`` times as long, made of the benchmark's own: each new row is ``factor`` rows of one sampling
+    setting (``rows.setting``) end to end, drawn at random without replacement (a setting's remainder dropped).
+    Every token keeps its real engine and trainer logprobs and their real mismatch; what changes is how many
+    tokens one verdict covers, as in runs whose completions are thousands of tokens long. With ``prefix``, each
+    of ``rows`` is kept whole and last, after ``factor − 1`` rows of ``prefix`` of its setting (drawn with
+    replacement): a real fault that starts late in a long row. The new row's step is its first part's, its
+    truncation its last part's.
+
+    >>> mask = torch.tensor([[True, True], [True, False], [True, True], [True, False]])
+    >>> rows = Rollouts(mask=mask, engine=torch.arange(8.0).view(4, 2) * mask, trainer=torch.zeros(4, 2),
+    ...                 truncated=torch.tensor([False, False, False, True]), step=torch.arange(4))
+    >>> long = stitched(rows, 2, torch.Generator().manual_seed(0))
+    >>> long.lengths.tolist(), sorted(long.engine[long.mask].tolist())  # every token once, two rows of 3
+    ([3, 3], [0.0, 1.0, 2.0, 4.0, 5.0, 6.0])
+    """
+    if factor <= 1:
+        return rows
+    setting = rows.setting if rows.setting is not None else torch.zeros(len(rows), dtype=torch.long)
+    if prefix is None:
+        order = torch.randperm(len(rows), generator=generator)
+        order = order[torch.argsort(setting[order], stable=True)]  # grouped by setting, shuffled within
+        ordered = setting[order]
+        start = torch.searchsorted(ordered, ordered)  # each row's first position of its setting
+        rank = torch.arange(len(order)) - start
+        usable = (torch.bincount(ordered)[ordered] // factor) * factor
+        order = order[rank < usable]
+    else:
+        prefix_setting = prefix.setting if prefix.setting is not None else torch.zeros(len(prefix), dtype=torch.long)
+        by_setting = torch.argsort(prefix_setting, stable=True)
+        start = torch.searchsorted(prefix_setting[by_setting], setting)
+        count = torch.searchsorted(prefix_setting[by_setting], setting, right=True) - start
+        if bool((count == 0).any()):
+            raise ValueError("stitched: a row's sampling setting has no prefix rows")
+        draws = (torch.rand(len(rows), factor - 1, generator=generator) * count.unsqueeze(1)).long()
+        picked = by_setting[start.unsqueeze(1) + draws]  # (n, factor − 1) prefix rows before each row
+        order = torch.cat([torch.arange(picked.numel()).view(-1, factor - 1),
+                           picked.numel() + torch.arange(len(rows)).unsqueeze(1)], dim=1).flatten()
+        rows = cat([prefix.rows(picked.flatten()), rows])
+    parts = rows.rows(order)
+    lengths = parts.lengths.view(-1, factor).sum(dim=1)
+    width = max(int(lengths.max()) if len(lengths) else 1, 1)
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    engine, trainer = torch.zeros(mask.shape), torch.zeros(mask.shape)
+    engine[mask], trainer[mask] = parts.engine[parts.mask], parts.trainer[parts.mask]
+    first, last = slice(0, None, factor), slice(factor - 1, None, factor)
+    setting_of = parts.setting[first] if rows.setting is not None else None
+    return Rollouts(mask=mask, engine=engine, trainer=trainer, truncated=parts.truncated[last], step=parts.step[first],
+                    condition=rows.condition, setting=setting_of)
