@@ -24,7 +24,9 @@ engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_EDGES`):
   the body of the histogram and extrapolated (:func:`extrapolated_quantile`: the tail itself is censored by the
   verdict and holds the corruption the rules missed); never below ``GuardConfig.calibrated_spike_floor``; a
   bucket with fewer than :data:`MIN_SPIKE_CANDIDATES` candidates gets the :func:`gaussian_bound` of its kept
-  tokens' spread instead, never above ``GuardConfig.spike_excess``;
+  tokens' spread instead, never above ``GuardConfig.spike_excess`` (for rows longer than
+  :data:`~rollout_guard.statistics.UNCALIBRATED_ROW_TOKENS`, that raised by
+  :data:`~rollout_guard.statistics.UNCALIBRATED_SPIKE_SLOPE` per e-fold of the mean kept row's tokens);
 * the threshold for the other tokens, which neither side found likely (where healthy large-model runs put their
   10–18-nat tails, and where an engine that returns a garbage low logprob for an unlikely token puts its spike):
   :func:`unlikely_spike_threshold`, ``UNLIKELY_MARGIN`` times the |x| that only ``UNLIKELY_TAIL_TOKENS`` of the
@@ -59,9 +61,8 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import (
-    BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS, UNLIKELY_HISTOGRAM,
-    RowScaling,
-    Thresholds, to_device,
+    BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS,
+    UNCALIBRATED_ROW_TOKENS, UNCALIBRATED_SPIKE_SLOPE, UNLIKELY_HISTOGRAM, RowScaling, Thresholds, to_device,
 )
 
 
@@ -651,10 +652,14 @@ class Calibration:
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
         quantile = [extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha) for bucket in self._sums]
+        # the cap of a bucket with too few candidates to read from: spike_excess, raised for rows longer than it was
+        # measured on, as the batch's uncalibrated threshold (rollout_guard.statistics.UNCALIBRATED_SPIKE_SLOPE)
+        longer = max(tokens_per_sample / UNCALIBRATED_ROW_TOKENS, 1.0)
+        few_cap = fixed_spike + UNCALIBRATED_SPIKE_SLOPE * math.log(longer)
         spike = []
         for q, w, n, v, u in zip(quantile, warm, candidates, self._variance, uncalibrated, strict=True):
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead
-            read = q if n >= MIN_SPIKE_CANDIDATES else min(gaussian_bound(math.sqrt(v), alpha), fixed_spike)
+            read = q if n >= MIN_SPIKE_CANDIDATES else min(gaussian_bound(math.sqrt(v), alpha), few_cap)
             spike.append(max(read, floor) if w else u)
         # how each read threshold moves with ln(1/α) (the extrapolation is linear there): for a row's own budget
         self._row_scaling = ([extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha / math.e) - q

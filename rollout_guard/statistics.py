@@ -205,6 +205,21 @@ BATCH_CENTRE_GRID = 600
 """cells of the grid over the clip range (−2 … 4 nats) on which :func:`batch_thresholds` reads its medians: 0.01
 nats each."""
 
+UNCALIBRATED_ROW_TOKENS = 256.0
+"""compared tokens per row of the rows on which ``GuardConfig.spike_excess`` was measured (the fidelity benchmark's,
+at most 256 tokens). A batch whose rows are longer gives each of them more chances to cross a fixed threshold:
+:func:`batch_thresholds` raises it by :data:`UNCALIBRATED_SPIKE_SLOPE` per e-fold of length beyond this."""
+
+UNCALIBRATED_SPIKE_SLOPE = 0.9
+"""nats per e-fold of a batch's compared tokens per row beyond :data:`UNCALIBRATED_ROW_TOKENS`: how far
+:func:`batch_thresholds` raises the uncalibrated spike threshold (``spike_excess``) of a bucket not calibrated yet,
+so that a row ``n`` times as long keeps about the same chance of a false firing (under an exponential tail of scale
+s the per-token threshold for ``1/n`` the rate lies ``s · ln n`` higher). The steepest slope the calibration reads
+on the fidelity benchmark (:func:`rollout_guard.calibration.extrapolated_quantile` per e-fold of α, the bucket
+below −3 nats under the hybrid-7B tail model: 0.47–0.89). Measured with rows 8 times as long (``fidelity.py
+--stitch 8``, ~2,000 tokens): without it, 7 false quarantines of 15,296 clean rows, all in the first two steps of
+a run, 0.21 % and 0.30 % in the two hybrid-7B-tail streams; see ``benchmarks/DETECTOR_RECORD.md``."""
+
 
 def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
                      own: torch.Tensor | None, follow: float | None = None, spiky: torch.Tensor | None = None,
@@ -250,7 +265,10 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     of the rows left): a corrupted row's many moderately-off tokens lifted the batch's 1 % point and the reading with
     it, so that a step with a few corrupted rows kept the fixed 4 nats (measured on the fidelity benchmark, 1,000 faults
     per condition: single spikes missed 20 → 8, late onset 116 → 102, isolated spikes 354 → 347 of 27,000; false
-    quarantines 7 → 7, flagged resampled judgements 19 → 20).
+    quarantines 7 → 7, flagged resampled judgements 19 → 20). Before that reading, the uncalibrated threshold of such
+    a bucket rises with the batch's compared tokens per row ``L`` beyond :data:`UNCALIBRATED_ROW_TOKENS`, to at
+    least ``spike_excess + s · ln(L / 256)`` (``s`` :data:`UNCALIBRATED_SPIKE_SLOPE`): a fixed threshold gives a
+    long row more chances to be crossed by its healthy tail.
 
     Everything stays on the device (no host sync). Also returns each bucket's centre shift for
     :func:`rollout_guard.packet.reanchor`: the calibration learns around the centres it sets, not these.
@@ -316,6 +334,10 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     allowance = torch.where(use, allowance, thresholds.allowance.to(device=device, dtype=torch.float32))
     spike = thresholds.spike.to(device=device, dtype=torch.float32)
     if spiky is not None:
+        spiky = spiky.to(device)
+        if config.spike_excess is not None:  # longer rows than spike_excess was measured on: more chances to cross it
+            longer = UNCALIBRATED_SPIKE_SLOPE * torch.log((per_row / UNCALIBRATED_ROW_TOKENS).clamp(min=1.0))
+            spike = torch.where(spiky, torch.maximum(spike, config.spike_excess + longer), spike)
         floor = config.calibrated_spike_floor if spike_floor is None else spike_floor
         likely = torch.arange(NUM_ENGINE_BUCKETS, device=device) > 0  # every token of these is a spike candidate
         x = d - centre[bucket]  # rows the thresholds in use flag feed no reading
@@ -323,7 +345,7 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
         kept = counts(torch.where(fired, -1.0, key))
         kept_count = kept.sum(dim=1)
         read = batch_spike_thresholds(kept, centre, kept_count, per_row, config.false_alarm_budget, floor)
-        spike = torch.where(spiky.to(device) & (kept_count >= BATCH_CENTRE_MIN_TOKENS) & likely,
+        spike = torch.where(spiky & (kept_count >= BATCH_CENTRE_MIN_TOKENS) & likely,
                             torch.minimum(spike, read), spike)
     judged = Thresholds(centre, allowance, spike, thresholds.unlikely_spike.to(device))
     return judged, centre - calibrated

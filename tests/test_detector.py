@@ -379,11 +379,15 @@ def test_the_spike_threshold_does_not_ratchet_down_under_its_own_censoring():
     assert flagged <= 3, f"{flagged} of {rows} healthy rows flagged"
 
 
-def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_candidates():
+@pytest.mark.parametrize(("kept_rows", "cap"), [(600.0, 4.0), (100.0, 4.0 + 0.9 * math.log(1200 / 256))])
+def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_candidates(kept_rows, cap):
     """Healthy tokens almost never become candidates in some buckets (below −3 nats for the engine while the
     trainer finds them likely); the few candidates there are the corrupted rows the rules missed, and calibrating
     on them would raise the threshold. Under MIN_SPIKE_CANDIDATES a bucket's threshold is the Gaussian bound of
-    its kept tokens' spread (never above the uncalibrated threshold, never below the floor)."""
+    its kept tokens' spread (never above the uncalibrated threshold, never below the floor). The uncalibrated
+    threshold is ``spike_excess`` for kept rows of up to 256 tokens (here 120,000 tokens in 600 rows), and rises
+    by 0.9 nats per e-fold beyond (in 100 rows, 1,200 tokens each: 5.39 nats; measured with ``fidelity.py --stitch
+    8``, a 4.03-nat healthy token fired there in 1,700-token rows)."""
     from rollout_guard.calibration import MIN_SPIKE_CANDIDATES, gaussian_bound
     from rollout_guard.statistics import CALIBRATION_WIDTH, EXCESS_EDGES
 
@@ -400,13 +404,13 @@ def test_a_bucket_with_few_candidates_is_judged_by_its_tokens_spread_not_by_its_
         contribution[bucket, 4 + where] = candidates
     calibration = Calibration(config)
     calibration.announced = True  # told the sampling settings: the configured floor applies
-    calibration.update(contribution, kept_rows=100.0)  # sets the centres
-    calibration.update(contribution, kept_rows=100.0)  # feeds the histograms
+    calibration.update(contribution, kept_rows=kept_rows)  # sets the centres
+    calibration.update(contribution, kept_rows=kept_rows)  # feeds the histograms
     spike = calibration.threshold_values()[2]
     assert spike[0] == config.calibrated_spike_floor  # quiet tokens, few candidates: the floor, not 8+ nats
     assert spike[1] > 8.0  # enough candidates: calibrated on what it saw
     assert spike[2] == config.calibrated_spike_floor  # quiet bucket: the floor
-    assert gaussian_bound(1.5, 1e-5) > config.spike_excess and spike[3] == config.spike_excess  # noisy, few: capped
+    assert gaussian_bound(1.5, 1e-5) > cap and spike[3] == pytest.approx(cap)  # noisy, few: capped
 
 
 def unlikely_tokens_stream(generator: torch.Generator, batch: int, length: int, tail_rate: float,
@@ -1139,3 +1143,21 @@ def test_a_short_row_is_judged_by_its_own_budget_and_a_long_one_too(monkeypatch)
     alike.load_state_dict(state)
     monkeypatch.setattr(Calibration, "row_scaling", lambda self, device="cpu": None)
     assert alike.inspect(evidence, step=31, sampling=SETTINGS).suspect.tolist() == [False, True] + [False] * 6
+
+
+@pytest.mark.parametrize(("length", "size", "fires"), [(256, 4.5, True), (2048, 4.5, False), (2048, 7.0, True)])
+def test_an_uncalibrated_spike_threshold_rises_with_the_length_of_the_rows(length, size, fires):
+    """In the first step nothing is calibrated, and ``spike_excess`` (4 nats) was measured on rows of up to 256
+    tokens: a row 8 times as long has 8 times the chances to cross it by chance (measured with ``fidelity.py
+    --stitch 8``: 0.21–0.30 % of the clean rows in the hybrid-7B-tail streams, all in the first two steps). One
+    token per row that the trainer finds likely (−0.5 nats) and the engine does not, ``size`` nats apart: in
+    256-token rows 4.5 nats fires as before; in 2,048-token rows the threshold is 4 + 0.9 · ln 8 = 5.87 nats, so
+    4.5 does not and 7 still does."""
+    config = GuardConfig(**ONLY_DETECTOR)
+    engine = torch.full((32, length), -0.2)
+    trainer = engine - 0.01
+    trainer[:, 100] = -0.5
+    engine[:, 100] = -0.5 - size  # below −3 nats: a candidate on the trainer's side only
+    report = RolloutGuard(config).inspect(RolloutEvidence(torch.ones(32, length, dtype=torch.long), engine, trainer),
+                                          step=1, sampling=SETTINGS)
+    assert bool(report.suspect.all()) is fires and bool(report.suspect.any()) is fires
