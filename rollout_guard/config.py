@@ -84,7 +84,9 @@ class GuardConfig:
     condition): with 3.0, the hybrid heavy-tail noise put 4–11 clean samples per condition (up to 0.14 %) over it
     in the first, uncalibrated steps (an engine logprob of −4…−6 for a token the trainer gives ≥ 20 %), with 4.0 none;
     recall of isolated spikes fell by 0–1 point. Above the processed-logprob offset of an uncalibrated top-k=5
-    high-entropy policy (≈ 1.5 nats). Default 4.0."""
+    high-entropy policy (≈ 1.5 nats). Measured on rows of up to 256 tokens: for longer rows it rises by 0.9 nats
+    per e-fold of tokens per row (:data:`rollout_guard.statistics.UNCALIBRATED_SPIKE_SLOPE`; with rows of ~2,000
+    tokens, 4 nats flagged 0.21–0.30 % of the healthy rows under the hybrid-7B tail). Default 4.0."""
 
     calibrated_spike_floor: float = 1.5
     """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold is the

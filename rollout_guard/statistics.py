@@ -208,7 +208,9 @@ nats each."""
 UNCALIBRATED_ROW_TOKENS = 256.0
 """compared tokens per row of the rows on which ``GuardConfig.spike_excess`` was measured (the fidelity benchmark's,
 at most 256 tokens). A batch whose rows are longer gives each of them more chances to cross a fixed threshold:
-:func:`batch_thresholds` raises it by :data:`UNCALIBRATED_SPIKE_SLOPE` per e-fold of length beyond this."""
+:func:`batch_thresholds` raises it by :data:`UNCALIBRATED_SPIKE_SLOPE` per e-fold of length beyond this, and so does
+the calibration where it caps a bucket with too few candidates at it
+(:class:`~rollout_guard.calibration.Calibration`, with the mean kept row's tokens)."""
 
 UNCALIBRATED_SPIKE_SLOPE = 0.9
 """nats per e-fold of a batch's compared tokens per row beyond :data:`UNCALIBRATED_ROW_TOKENS`: how far
@@ -217,8 +219,9 @@ so that a row ``n`` times as long keeps about the same chance of a false firing 
 s the per-token threshold for ``1/n`` the rate lies ``s · ln n`` higher). The steepest slope the calibration reads
 on the fidelity benchmark (:func:`rollout_guard.calibration.extrapolated_quantile` per e-fold of α, the bucket
 below −3 nats under the hybrid-7B tail model: 0.47–0.89). Measured with rows 8 times as long (``fidelity.py
---stitch 8``, ~2,000 tokens): without it, 7 false quarantines of 15,296 clean rows, all in the first two steps of
-a run, 0.21 % and 0.30 % in the two hybrid-7B-tail streams; see ``benchmarks/DETECTOR_RECORD.md``."""
+--stitch 8``, ~2,000 tokens): without it, 7 false quarantines of 15,296 clean rows (0.21 % and 0.30 % in the two
+hybrid-7B-tail streams; five in the first two steps, two in a bucket with too few candidates), with it none, for 5
+more isolated spikes missed of 27,000; see ``benchmarks/DETECTOR_RECORD.md``."""
 
 
 def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
