@@ -258,7 +258,7 @@ def main(
     faults_per_condition: int = typer.Option(1000, help="rollouts per synthetic fault kind per condition (every "
                                              "published figure used 1000)"),
     step_rows: int = typer.Option(256, help="rollouts per training step (with --stitch N, of the data's rows: a "
-                                  "step then holds step_rows // N long rows, the same tokens per step)"),
+                                  "step then holds step_rows // N long rows, at least 8: the same tokens per step)"),
     stitch: int = typer.Option(1, min=1, help="rows N times as long, each N of the data's rows of one setting end to "
                                "end (fidelity_kit.rollouts.stitched): the noise per token as measured, N times the "
                                "tokens per verdict (the data's rows hold at most 256 tokens)"),
