@@ -1149,7 +1149,8 @@ def test_a_short_row_is_judged_by_its_own_budget_and_a_long_one_too(monkeypatch)
 def test_an_uncalibrated_spike_threshold_rises_with_the_length_of_the_rows(length, size, fires):
     """In the first step nothing is calibrated, and ``spike_excess`` (4 nats) was measured on rows of up to 256
     tokens: a row 8 times as long has 8 times the chances to cross it by chance (measured with ``fidelity.py
-    --stitch 8``: 0.21–0.30 % of the clean rows in the hybrid-7B-tail streams, all in the first two steps). One
+    --stitch 8``: 0.21–0.30 % of the clean rows in the hybrid-7B-tail streams, five of seven in the first two
+    steps, the other two in a bucket with too few candidates, as in the few-candidates test above). One
     token per row that the trainer finds likely (−0.5 nats) and the engine does not, ``size`` nats apart: in
     256-token rows 4.5 nats fires as before; in 2,048-token rows the threshold is 4 + 0.9 · ln 8 = 5.87 nats, so
     4.5 does not and 7 still does."""
