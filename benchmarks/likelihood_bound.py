@@ -1,0 +1,250 @@
+"""Can late onset be told from the hybrid-7B noise model? A likelihood-ratio test that knows both processes.
+
+``benchmarks/separability.py`` bounds what the *rarity* of each token's mismatch tells; it ignores direction and
+the order of tokens, and the guard beats it where late onset meets the hybrid-7B tail model (the guard 99.3–99.9 %,
+that bound 98.2–99.0 %). So there it cannot say whether the cells are out of reach. This script asks the question
+with a likelihood-ratio test, by Neyman–Pearson the most powerful one for the fault as the test states it (below):
+the ratio of a row's likelihood under the fault to its likelihood under the clean process, both known in closed
+form in these conditions.
+
+Clean, per token of engine logprob e (``benchmarks/fidelity_kit/noise.py``, the hybrid-7B model): the measured
+mismatch (mean m and sd b per engine bin, read from clean rows) plus the model's Gaussian broad part of sd
+σ(e) = σ0 (1 + |e|); a trainer logprob at its clamp (−1e−6) counts as censored. The model's rare tail lives on
+tokens the engine put below −3 nats, where a late-onset fault never puts a token; the test leaves them out.
+
+Fault (``zoo.late_onset``, then the same noise): from an onset to the row's end every token lags by a gap
+g = 0.1 + (D − 0.1) U², U ~ U(0, 1), the first by D, the row's worst, D ~ U(2, 8) nats; the noise's broad part
+on top. The test is told that much, and *not* where the onset falls (every judged token equally likely: the
+fault's own 10–20 % from the end is not used) nor the fault's engine logprobs (U(−2.5, −0.5)); D is integrated
+over 24 midpoints, U by 32-point Gauss–Legendre quadrature:
+
+.. math:: \\Lambda = \\frac{1}{|\\mathcal D|\\,n} \\sum_{D} \\sum_{o=1}^{n}
+          \\frac{f_D^{\\text{first}}(x_o)}{f_0(x_o)} \\prod_{i > o} \\frac{f_D(x_i)}{f_0(x_i)}
+
+over a row's n judged tokens (e ≥ −3 nats). Threshold: the 0.1 % point of Λ on a random half of the clean rows
+(the model's m and b read there too); counted on the other half, with the faults made from that half's rows
+(and, for comparison, at the other half's own 0.1 % point: the test with its threshold known).
+
+What it shows is separability *under the benchmark's noise model*: the broad part there is Gaussian, and the test
+trusts that shape (the clean rows it ranks highest hold tokens 2.5–4.3 σ out: its threshold rests on the
+Gaussian's shape there). The guard assumes no shape (a bucket's spike threshold is extrapolated from the body of
+its own kept tokens, its drift threshold from the kept rows' own CUSUMs); a real 7B run's broad mismatch has no
+promised shape. The dense-7B model's broad part is ~0 (σ0 1e−5: the measured noise already exceeds its
+published share), so there the noise is the measured one, whose shape has no closed form: those conditions are
+not scored.
+
+    python benchmarks/likelihood_bound.py --same-support     # runs/fidelity/likelihood-bound.{json,md}
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.fidelity import DEFAULT_DATA, REPO, conditions  # noqa: E402
+from benchmarks.fidelity_kit import zoo  # noqa: E402
+from benchmarks.fidelity_kit.noise import UNLIKELY  # noqa: E402
+from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
+from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, wilson  # noqa: E402
+
+WORST = torch.linspace(2.0, 8.0, 25, dtype=torch.float64)[:-1] + 0.125  # nats: D ~ U(2, 8), 24 bin midpoints
+_NODES, _WEIGHTS = np.polynomial.legendre.leggauss(32)
+U_NODES = torch.tensor((_NODES + 1) / 2, dtype=torch.float64)  # Gauss–Legendre on [0, 1]
+U_LOG_WEIGHTS = torch.log(torch.tensor(_WEIGHTS / 2, dtype=torch.float64))
+CLAMP = -1e-5  # a trainer logprob above this was clamped by the noise model (at −1e−6)
+BIN_EDGES = torch.linspace(-12.0, 0.0, 49, dtype=torch.float64)  # engine-logprob bins of the measured mismatch
+
+app = typer.Typer(add_completion=False)
+
+
+def _log_normal(x: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    return -0.5 * (x / sd) ** 2 - torch.log(sd) - 0.5 * math.log(2 * math.pi)
+
+
+def token_log_density(x: torch.Tensor, engine: torch.Tensor, sd: torch.Tensor, censored: torch.Tensor,
+                      gap: torch.Tensor) -> torch.Tensor:
+    """Log density of a token's mismatch ``x = engine − trainer`` that lags by ``gap`` under Gaussian noise.
+
+    .. math:: \\ln f(x) = \\ln \\varphi_{sd}(x - g), \\qquad \\text{censored (trainer clamped at 0):}\\;
+              \\ln P(\\text{trainer} \\ge 0) = \\ln \\Phi\\big((e - g)/sd\\big)
+
+    Shapes broadcast: ``x``, ``engine``, ``sd``, ``censored`` (..., T) against ``gap`` (..., T, K) or a scalar.
+
+    >>> x = torch.tensor([0.0]); e = torch.tensor([-1.0]); sd = torch.tensor([1.0])
+    >>> round(float(token_log_density(x, e, sd, torch.tensor([False]), torch.tensor(0.0))), 4)  # ln φ(0)
+    -0.9189
+    >>> round(float(token_log_density(x, e, sd, torch.tensor([True]), torch.tensor(0.0))), 4)  # ln Φ(−1)
+    -1.841
+    """
+    return torch.where(censored, torch.special.log_ndtr((engine - gap) / sd), _log_normal(x - gap, sd))
+
+
+def fault_log_density(x: torch.Tensor, engine: torch.Tensor, sigma: torch.Tensor, censored: torch.Tensor,
+                      worst: torch.Tensor = WORST) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and worst gap D, the log density of ``x`` under ``zoo.late_onset``'s lag plus the noise:
+    a token after the onset (gap g = 0.1 + (D − 0.1)U², U ~ U(0, 1), integrated by quadrature) and the onset's
+    own token (g = D).
+
+    .. math:: f_D(x) = \\int_0^1 \\varphi_\\sigma\\big(x - 0.1 - (D - 0.1)u^2\\big)\\,du, \\qquad
+              f_D^{\\text{first}}(x) = \\varphi_\\sigma(x - D)
+
+    Args: ``x``, ``engine``, ``sigma``, ``censored``: (B, T); ``worst``: (K,). Returns two (B, T, K).
+
+    >>> later, first = fault_log_density(torch.tensor([[3.0]]), torch.tensor([[-1.0]]), torch.tensor([[0.3]]),
+    ...                                  torch.tensor([[False]]), torch.tensor([3.0]))
+    >>> round(float(first), 3) == round(math.log(1 / (0.3 * math.sqrt(2 * math.pi))), 3)  # x = D: the mode
+    True
+    >>> bool(later < first)  # a later token's gap is mostly far below D
+    True
+    """
+    gap = 0.1 + (worst[:, None] - 0.1) * U_NODES[None, :] ** 2  # (K, Q)
+    later = token_log_density(x[..., None, None], engine[..., None, None], sigma[..., None, None],
+                              censored[..., None, None], gap)
+    later = torch.logsumexp(later + U_LOG_WEIGHTS, dim=-1)
+    first = token_log_density(x[..., None], engine[..., None], sigma[..., None], censored[..., None], worst)
+    return later, first
+
+
+def suffix_log_lr(later: torch.Tensor, first: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
+    """Log likelihood ratio of "from some judged token to the end, the row lags" against "clean", the onset
+    equally likely at each judged token and the worst gap at each of K values.
+
+    .. math:: \\ln \\Lambda = \\ln \\frac{1}{K n} \\sum_{k} \\sum_{o \\in J}
+              \\exp\\Big(\\ell^{\\text{first}}_{o,k} + \\sum_{i > o,\\, i \\in J} \\ell_{i,k}\\Big)
+
+    Args:
+        later, first: (B, T, K) per-token log ratios ``ln f_D − ln f_0`` after the onset and at it.
+        judged: (B, T) bool, the tokens the test reads. Returns (B,) float64 (−inf for a row with none).
+
+    >>> later = torch.zeros(1, 3, 1); first = torch.tensor([[[0.0], [math.log(4.0)], [0.0]]])
+    >>> round(float(suffix_log_lr(later, first, torch.ones(1, 3, dtype=torch.bool)).exp()), 4)  # (1 + 4 + 1) / 3
+    2.0
+    """
+    later = torch.where(judged[..., None], later, torch.zeros_like(later))
+    after = later.flip(1).cumsum(1).flip(1) - later  # Σ over judged i > o
+    total = torch.where(judged[..., None], first + after, torch.full_like(first, -math.inf))
+    count = judged.sum(-1).double() * later.shape[-1]
+    score = torch.logsumexp(total.flatten(1), dim=-1) - torch.log(count.clamp(min=1))
+    return torch.where(count > 0, score, torch.full_like(score, -math.inf))
+
+
+def measured_mismatch(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and sd (nats) of clean ``engine − trainer`` per engine-logprob bin of :data:`BIN_EDGES`."""
+    ok = rows.mask & torch.isfinite(rows.engine) & torch.isfinite(rows.trainer)
+    engine, x = rows.engine[ok].double(), (rows.engine - rows.trainer)[ok].double()
+    index = torch.bucketize(engine, BIN_EDGES)
+    count = torch.bincount(index, minlength=len(BIN_EDGES) + 1).double().clamp(min=1)
+    mean = torch.bincount(index, weights=x, minlength=len(BIN_EDGES) + 1) / count
+    second = torch.bincount(index, weights=x * x, minlength=len(BIN_EDGES) + 1) / count
+    return mean, (second - mean * mean).clamp(min=1e-8).sqrt()
+
+
+def row_log_lr(rows: Rollouts, base: tuple[torch.Tensor, torch.Tensor], sigma0: float,
+               chunk: int = 128) -> torch.Tensor:
+    """(B,) ``ln Λ`` of noisy rows (the module's formula): clean f0 = measured mismatch (``base``, from clean
+    rows before the model's noise) plus the Gaussian broad part σ0(1 + |e|); tokens the engine put below −3
+    nats are not judged."""
+    mean, spread = base
+    out = []
+    for start in range(0, len(rows), chunk):
+        part = rows.rows(slice(start, start + chunk))
+        engine, trainer = part.engine.double(), part.trainer.double()
+        ok = part.mask & torch.isfinite(engine) & torch.isfinite(trainer)
+        engine = torch.where(ok, engine, torch.full_like(engine, -1.0))
+        trainer = torch.where(ok, trainer, torch.full_like(trainer, -1.0))
+        x, censored = engine - trainer, trainer > CLAMP
+        sigma = sigma0 * (1 + (-engine).clamp(min=0))
+        index = torch.bucketize(engine, BIN_EDGES)
+        clean = token_log_density(x, engine, (sigma ** 2 + spread[index] ** 2).sqrt(), censored, mean[index])
+        later, first = fault_log_density(x, engine, sigma, censored)
+        judged = ok & (engine >= UNLIKELY)
+        out.append(suffix_log_lr(later - clean[..., None], first - clean[..., None], judged))
+    return torch.cat(out)
+
+
+def bound(clean: Rollouts, real: dict[str, Rollouts], apply, sigma0: float, count: int,
+          generator: torch.Generator) -> dict:
+    """Threshold on one random half of the clean rows, false quarantines and recall counted on the other half
+    (``count`` late-onset faults made from its rows) and on the condition's real late-onset rows."""
+    order = torch.randperm(len(clean), generator=generator)
+    fit, held = clean.rows(order[: len(clean) // 2]), clean.rows(order[len(clean) // 2:])
+    fit_noisy = apply(fit)
+    base = measured_mismatch(fit)
+    fit_scores = row_log_lr(fit_noisy, base, sigma0)
+    allowed = int(GOAL_FALSE_RATE * len(fit_scores))  # rows above the threshold on the fitting half
+    threshold = float(fit_scores.sort(descending=True).values[allowed])
+    held_scores = row_log_lr(apply(held), base, sigma0)
+    index = torch.randint(0, len(held), (count,), generator=generator)
+    faults = {"late_onset": apply(zoo.late_onset(held.rows(index), generator))}
+    if "real_late_onset" in real:
+        faults["real_late_onset"] = apply(real["real_late_onset"])
+    own = float(held_scores.sort(descending=True).values[int(GOAL_FALSE_RATE * len(held_scores))])
+    flagged = int((held_scores > threshold).sum())
+    out = {"threshold_log_lr": threshold, "clean_rows": len(held), "false": flagged,
+           "false_rate": flagged / len(held), "false_ci": wilson(flagged, len(held)),
+           "own_threshold_log_lr": own, "own_false": int((held_scores > own).sum())}
+    for name, rows in faults.items():
+        scores = row_log_lr(rows, base, sigma0)
+        caught = int((scores > threshold).sum())
+        out[name] = {"rows": len(rows), "caught": caught, "recall": caught / len(rows),
+                     "ci": wilson(caught, len(rows)), "goal": caught / len(rows) >= GOAL_RECALL,
+                     "caught_at_own_threshold": int((scores > own).sum())}
+    return out
+
+
+@app.command()
+def main(
+    data: str = typer.Option(DEFAULT_DATA, help="glob of parquet files, as benchmarks/fidelity.py"),
+    faults_per_condition: int = typer.Option(4000, help="late-onset rows per condition"),
+    step_rows: int = typer.Option(256, help="as benchmarks/fidelity.py (the noise models' tail rate uses it)"),
+    seed: int = typer.Option(0),
+    same_support: bool = typer.Option(False, help="as benchmarks/fidelity.py --same-support"),
+    out: Path = typer.Option(REPO / "runs" / "fidelity", help="folder for likelihood-bound.json/.md (default: "
+                                                               "runs/fidelity, ignored by git)"),
+) -> None:
+    paths = sorted(glob.glob(data))
+    if not paths:
+        raise typer.BadParameter(f"--data {data!r} matches no file: generate the data "
+                                 "(benchmarks/fidelity_data/README.md)")
+    started = time.perf_counter()
+    table = read_tables(paths)
+    generator = torch.Generator().manual_seed(seed + 2027)
+    results = []
+    for name, clean, real, apply, params in conditions(table, seed, step_rows, same_support):
+        if params.get("noise") != "tail_hybrid7b":
+            continue
+        figures = bound(clean, real, apply, params["sigma0"], faults_per_condition, generator)
+        results.append({"condition": name, "sigma0": params["sigma0"], **figures})
+        line = ", ".join(f"{k} {v['caught']} of {v['rows']} ({100 * v['recall']:.2f} %)"
+                         for k, v in figures.items() if isinstance(v, dict))
+        print(f"{name}: false {figures['false']} of {figures['clean_rows']}; {line}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"seed": seed, "same_support": same_support, "faults_per_condition": faults_per_condition,
+               "seconds": round(time.perf_counter() - started, 1), "results": results}
+    (out / "likelihood-bound.json").write_text(json.dumps(summary, indent=1))
+    lines = ["| condition | clean rows flagged (held out) | late onset caught | real late onset caught |",
+             "| --- | --- | --- | --- |"]
+    for r in results:
+        cells = [f"{r[k]['caught']} of {r[k]['rows']} ({100 * r[k]['recall']:.2f} %; at the held half's own 0.1 % "
+                 f"point {r[k]['caught_at_own_threshold']})" if k in r else "–"
+                 for k in ("late_onset", "real_late_onset")]
+        lines.append(f"| {r['condition']} | {r['false']} of {r['clean_rows']} ({100 * r['false_rate']:.3f} %) | "
+                     + " | ".join(cells) + " |")
+    (out / "likelihood-bound.md").write_text(
+        "# Likelihood-ratio test for late onset under the hybrid-7B noise model (`benchmarks/likelihood_bound.py`)\n\n"
+        + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,110 @@
+"""The likelihood-ratio test of ``benchmarks/likelihood_bound.py``: it finds a late onset that the noise model
+hides from per-token rarity, and finds nothing where there is nothing to find or where the lag has the other sign."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
+from benchmarks.fidelity_kit.rollouts import Rollouts  # noqa: E402
+from benchmarks.likelihood_bound import bound, measured_mismatch, row_log_lr, suffix_log_lr  # noqa: E402
+
+SIGMA0 = 0.15  # nats: the broad part's scale per unit of surprise (the hybrid-7B model's is 0.14–0.18)
+
+
+def _clean(count: int, generator: torch.Generator, length: int = 40) -> Rollouts:
+    """Rows whose engine logprobs spread over −2.5 … −0.1 nats, the trainer agreeing to 0.01 nats (a quiet
+    small model): the noise model then puts all the mismatch there is."""
+    engine = -0.1 - 2.4 * torch.rand(count, length, generator=generator)
+    trainer = engine - 0.01 * torch.randn(count, length, generator=generator)
+    return Rollouts(mask=torch.ones(count, length, dtype=torch.bool), engine=engine, trainer=trainer.clamp(max=-1e-6),
+                    truncated=torch.zeros(count, dtype=torch.bool), step=torch.zeros(count, dtype=torch.long))
+
+
+def _noise(generator: torch.Generator):
+    fitted = {"sigma0": SIGMA0, "tail_rate": 0.0, "tail_max": 18.0}
+    return lambda rows: noise.heavy_tail(rows, generator, fitted)
+
+
+def _scores(rows: Rollouts, base) -> torch.Tensor:
+    return row_log_lr(rows, base, SIGMA0)
+
+
+def test_a_late_onset_is_found_at_a_thousandth_of_clean_rows_and_fresh_clean_rows_are_not():
+    generator = torch.Generator().manual_seed(0)
+    apply = _noise(generator)
+    fit = _clean(4000, generator)
+    base = measured_mismatch(fit)
+    clean = _scores(apply(fit), base)
+    threshold = float(clean.sort(descending=True).values[4])  # 0.1 % of 4,000 above it
+    faulty = apply(zoo.late_onset(_clean(1000, generator), generator))
+    assert float((_scores(faulty, base) > threshold).double().mean()) >= 0.99
+    fresh = _scores(apply(_clean(4000, generator)), base)  # nothing to find: about the 0.1 % allowed
+    assert float((fresh > threshold).double().mean()) < 0.005
+
+
+def test_a_lag_of_the_other_sign_is_not_what_the_test_looks_for():
+    """The fault's lag is the engine above the trainer (d > 0, the stale-state signature); the same rows with
+    the two sides swapped on the corrupted tokens score as clean ones do."""
+    generator = torch.Generator().manual_seed(1)
+    apply = _noise(generator)
+    fit = _clean(4000, generator)
+    base = measured_mismatch(fit)
+    threshold = float(_scores(apply(fit), base).sort(descending=True).values[4])
+    source = _clean(1000, generator)
+    lagging = zoo.late_onset(source, generator)
+    corrupted = lagging.engine != source.engine
+    swapped = replace(lagging, engine=torch.where(corrupted, lagging.trainer, lagging.engine),
+                      trainer=torch.where(corrupted, lagging.engine, lagging.trainer))
+    assert float((_scores(apply(lagging), base) > threshold).double().mean()) >= 0.99
+    assert float((_scores(apply(swapped), base) > threshold).double().mean()) < 0.01
+
+
+def test_tokens_the_test_does_not_read_change_nothing():
+    """Tokens the engine put below −3 nats (where the tail model's healthy 1–18-nat jumps live) and padding are
+    not read: a row with such a token, whatever its mismatch, scores as the row without it."""
+    later = torch.randn(1, 4, 3, generator=torch.Generator().manual_seed(2))
+    first = torch.randn(1, 4, 3, generator=torch.Generator().manual_seed(3))
+    judged = torch.tensor([[True, False, True, True]])
+    moved = later.clone()
+    moved[0, 1] += 50.0
+    assert suffix_log_lr(moved, first + torch.tensor([0.0, 50.0, 0.0, 0.0])[None, :, None], judged) == \
+        pytest.approx(float(suffix_log_lr(later, first, judged)))
+    assert suffix_log_lr(later[:, [0, 2, 3]], first[:, [0, 2, 3]], torch.ones(1, 3, dtype=torch.bool)) == \
+        pytest.approx(float(suffix_log_lr(later, first, judged)))
+    assert suffix_log_lr(later, first, torch.zeros(1, 4, dtype=torch.bool)) == -math.inf
+
+
+def test_the_bound_counts_false_quarantines_on_the_half_it_did_not_fit():
+    generator = torch.Generator().manual_seed(4)
+    clean = _clean(4001, generator)
+    figures = bound(clean, {}, _noise(generator), SIGMA0, 500, generator)
+    assert figures["clean_rows"] == 2001  # the half it did not fit (2,000 rows)
+    assert figures["false"] < 10  # 0.1 % of the other half expected: 2
+    assert figures["late_onset"]["caught"] >= 495
+    assert figures["late_onset"]["caught_at_own_threshold"] >= 495
+
+
+def test_the_module_examples_run():
+    import doctest
+    from benchmarks import likelihood_bound
+    result = doctest.testmod(likelihood_bound)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_data_that_matches_nothing_is_one_line_naming_the_option(tmp_path):
+    from typer.testing import CliRunner
+    from benchmarks import likelihood_bound
+    result = CliRunner().invoke(likelihood_bound.app, ["--data", str(tmp_path / "none-*.parquet"),
+                                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert "--data" in result.output and "matches no file" in " ".join(result.output.split())
+    assert not (tmp_path / "o").exists()
