@@ -62,7 +62,7 @@ import torch
 from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import (
     BATCH_CENTRE_MIN_TOKENS, CALIBRATION_WIDTH, EXCESS_EDGES, NUM_ENGINE_BUCKETS, NUM_EXCESS_BINS,
-    UNCALIBRATED_ROW_TOKENS, UNCALIBRATED_SPIKE_SLOPE, UNLIKELY_HISTOGRAM, RowScaling, Thresholds, to_device,
+    UNLIKELY_HISTOGRAM, RowScaling, Thresholds, length_raised_spike, to_device,
 )
 
 
@@ -653,9 +653,8 @@ class Calibration:
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
         quantile = [extrapolated_quantile(bucket[4:UNLIKELY_HISTOGRAM], bucket[3], alpha) for bucket in self._sums]
         # the cap of a bucket with too few candidates to read from: spike_excess, raised for rows longer than it was
-        # measured on, as the batch's uncalibrated threshold (rollout_guard.statistics.UNCALIBRATED_SPIKE_SLOPE)
-        longer = max(tokens_per_sample / UNCALIBRATED_ROW_TOKENS, 1.0)
-        few_cap = fixed_spike + UNCALIBRATED_SPIKE_SLOPE * math.log(longer)
+        # measured on, as the batch's uncalibrated threshold (rollout_guard.statistics.length_raised_spike)
+        few_cap = length_raised_spike(fixed_spike, tokens_per_sample)
         spike = []
         for q, w, n, v, u in zip(quantile, warm, candidates, self._variance, uncalibrated, strict=True):
             # too few candidates to read a quantile from: the Gaussian bound of all the bucket's tokens instead

@@ -224,6 +224,30 @@ hybrid-7B-tail streams; five in the first two steps, two in a bucket with too fe
 more isolated spikes missed of 27,000; see ``benchmarks/DETECTOR_RECORD.md``."""
 
 
+
+def length_raised_spike(spike_excess: float, tokens_per_row: float | torch.Tensor) -> float | torch.Tensor:
+    """The uncalibrated spike threshold for rows of ``tokens_per_row`` compared tokens (nats): ``spike_excess``,
+    measured on rows of up to :data:`UNCALIBRATED_ROW_TOKENS`, raised by :data:`UNCALIBRATED_SPIKE_SLOPE` per
+    e-fold of length beyond that.
+
+    .. math:: s(L) = s_0 + a \\cdot \\ln \\max(L / L_0,\\ 1)
+
+    Args:
+        spike_excess: ``s_0`` (nats; ``math.inf`` stays ``inf``).
+        tokens_per_row: ``L``, a float (the calibration's mean kept row, on the host) or a tensor of any shape
+            (the batch's, on its device: no host sync).
+    Returns: a float, or a tensor of ``tokens_per_row``'s shape.
+
+    >>> length_raised_spike(4.0, 200.0), round(length_raised_spike(4.0, 256.0 * math.e ** 2), 6)
+    (4.0, 5.8)
+    >>> length_raised_spike(4.0, torch.tensor([100.0, 256.0 * math.e])).tolist()
+    [4.0, 4.900000095367432]
+    """
+    if isinstance(tokens_per_row, torch.Tensor):
+        longer = (tokens_per_row / UNCALIBRATED_ROW_TOKENS).clamp(min=1.0)
+        return spike_excess + UNCALIBRATED_SPIKE_SLOPE * torch.log(longer)
+    return spike_excess + UNCALIBRATED_SPIKE_SLOPE * math.log(max(tokens_per_row / UNCALIBRATED_ROW_TOKENS, 1.0))
+
 def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
                      own: torch.Tensor | None, follow: float | None = None, spiky: torch.Tensor | None = None,
                      spike_floor: float | None = None) -> tuple[Thresholds, torch.Tensor]:
@@ -339,8 +363,7 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     if spiky is not None:
         spiky = spiky.to(device)
         if config.spike_excess is not None:  # longer rows than spike_excess was measured on: more chances to cross it
-            longer = UNCALIBRATED_SPIKE_SLOPE * torch.log((per_row / UNCALIBRATED_ROW_TOKENS).clamp(min=1.0))
-            spike = torch.where(spiky, torch.maximum(spike, config.spike_excess + longer), spike)
+            spike = torch.where(spiky, torch.maximum(spike, length_raised_spike(config.spike_excess, per_row)), spike)
         floor = config.calibrated_spike_floor if spike_floor is None else spike_floor
         likely = torch.arange(NUM_ENGINE_BUCKETS, device=device) > 0  # every token of these is a spike candidate
         x = d - centre[bucket]  # rows the thresholds in use flag feed no reading
