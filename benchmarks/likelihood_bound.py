@@ -21,9 +21,11 @@ over 24 midpoints, U by 32-point Gauss–Legendre quadrature:
 .. math:: \\Lambda = \\frac{1}{|\\mathcal D|\\,n} \\sum_{D} \\sum_{o=1}^{n}
           \\frac{f_D^{\\text{first}}(x_o)}{f_0(x_o)} \\prod_{i > o} \\frac{f_D(x_i)}{f_0(x_i)}
 
-over a row's n judged tokens (e ≥ −3 nats). Threshold: the 0.1 % point of Λ on a random half of the clean rows
-(the model's m and b read there too); counted on the other half, with the faults made from that half's rows
-(and, for comparison, at the other half's own 0.1 % point: the test with its threshold known).
+over a row's n judged tokens (e ≥ −3 nats). Cross-fitted: the threshold is the 0.1 % point of Λ on a random
+half of the clean rows (the model's m and b read there too) and is counted on the other half, with half the
+faults made from that half's rows, then the halves swap; the figures are summed, so every clean row is counted
+once by a threshold set without it (and, for comparison, the faults caught at each held half's own 0.1 % point:
+the test with its threshold known).
 
 What it shows is separability *under the benchmark's noise model*: the broad part there is Gaussian, and the test
 trusts that shape (the clean rows it ranks highest hold tokens 2.5–4.3 σ out: its threshold rests on the
@@ -174,31 +176,46 @@ def row_log_lr(rows: Rollouts, base: tuple[torch.Tensor, torch.Tensor], sigma0: 
 
 def bound(clean: Rollouts, real: dict[str, Rollouts], apply, sigma0: float, count: int,
           generator: torch.Generator) -> dict:
-    """Threshold on one random half of the clean rows, false quarantines and recall counted on the other half
-    (``count`` late-onset faults made from its rows) and on the condition's real late-onset rows."""
+    """Cross-fitted figures: the clean rows are split in two at random; on each half the test reads the measured
+    mismatch and its threshold (the 0.1 % point of that half's scores), and the *other* half is counted — its
+    clean rows, half of the ``count`` late-onset faults (made from its rows) and half of the condition's real
+    late-onset rows. Summed over both halves, so every clean row is counted once, by a threshold set without it
+    (as ``separability.cross_fitted``). Also, for comparison, the faults caught at each held half's own 0.1 %
+    point (the test with its threshold known)."""
     order = torch.randperm(len(clean), generator=generator)
-    fit, held = clean.rows(order[: len(clean) // 2]), clean.rows(order[len(clean) // 2:])
-    fit_noisy = apply(fit)
-    base = measured_mismatch(fit)
-    fit_scores = row_log_lr(fit_noisy, base, sigma0)
-    allowed = int(GOAL_FALSE_RATE * len(fit_scores))  # rows above the threshold on the fitting half
-    threshold = float(fit_scores.sort(descending=True).values[allowed])
-    held_scores = row_log_lr(apply(held), base, sigma0)
-    index = torch.randint(0, len(held), (count,), generator=generator)
-    faults = {"late_onset": apply(zoo.late_onset(held.rows(index), generator))}
-    if "real_late_onset" in real:
-        faults["real_late_onset"] = apply(real["real_late_onset"])
-    own = float(held_scores.sort(descending=True).values[int(GOAL_FALSE_RATE * len(held_scores))])
-    flagged = int((held_scores > threshold).sum())
-    out = {"threshold_log_lr": threshold, "clean_rows": len(held), "false": flagged,
-           "false_rate": flagged / len(held), "false_ci": wilson(flagged, len(held)),
-           "own_threshold_log_lr": own, "own_false": int((held_scores > own).sum())}
-    for name, rows in faults.items():
-        scores = row_log_lr(rows, base, sigma0)
-        caught = int((scores > threshold).sum())
-        out[name] = {"rows": len(rows), "caught": caught, "recall": caught / len(rows),
-                     "ci": wilson(caught, len(rows)), "goal": caught / len(rows) >= GOAL_RECALL,
-                     "caught_at_own_threshold": int((scores > own).sum())}
+    halves = (order[: len(clean) // 2], order[len(clean) // 2:])
+    real_rows = real.get("real_late_onset")
+    real_order = torch.randperm(len(real_rows), generator=generator) if real_rows is not None else None
+    out = {"thresholds_log_lr": [], "clean_rows": 0, "false": 0, "own_false": 0}
+    for side, (fit_index, held_index) in enumerate((halves, halves[::-1])):
+        fit, held = clean.rows(fit_index), clean.rows(held_index)
+        base = measured_mismatch(fit)
+        fit_scores = row_log_lr(apply(fit), base, sigma0)
+        allowed = int(GOAL_FALSE_RATE * len(fit_scores))  # rows above the threshold on the fitting half
+        threshold = float(fit_scores.sort(descending=True).values[allowed])
+        held_scores = row_log_lr(apply(held), base, sigma0)
+        own = float(held_scores.sort(descending=True).values[int(GOAL_FALSE_RATE * len(held_scores))])
+        share = count // 2 if side == 0 else count - count // 2
+        index = torch.randint(0, len(held), (share,), generator=generator)
+        faults = {"late_onset": apply(zoo.late_onset(held.rows(index), generator))}
+        if real_rows is not None:
+            faults["real_late_onset"] = apply(real_rows.rows(real_order[side::2]))
+        out["thresholds_log_lr"].append(threshold)
+        out["clean_rows"] += len(held)
+        out["false"] += int((held_scores > threshold).sum())
+        out["own_false"] += int((held_scores > own).sum())
+        for name, rows in faults.items():
+            scores = row_log_lr(rows, base, sigma0)
+            figures = out.setdefault(name, {"rows": 0, "caught": 0, "caught_at_own_threshold": 0})
+            figures["rows"] += len(rows)
+            figures["caught"] += int((scores > threshold).sum())
+            figures["caught_at_own_threshold"] += int((scores > own).sum())
+    out["false_rate"] = out["false"] / out["clean_rows"]
+    out["false_ci"] = wilson(out["false"], out["clean_rows"])
+    for figures in out.values():
+        if isinstance(figures, dict):
+            figures.update(recall=figures["caught"] / figures["rows"], ci=wilson(figures["caught"], figures["rows"]),
+                           goal=figures["caught"] / figures["rows"] >= GOAL_RECALL)
     return out
 
 
@@ -232,13 +249,15 @@ def main(
     summary = {"seed": seed, "same_support": same_support, "faults_per_condition": faults_per_condition,
                "seconds": round(time.perf_counter() - started, 1), "results": results}
     (out / "likelihood-bound.json").write_text(json.dumps(summary, indent=1))
-    lines = ["| condition | clean rows flagged (held out) | late onset caught | real late onset caught |",
-             "| --- | --- | --- | --- |"]
+    lines = ["| condition | clean rows flagged (cross-fitted; 95 % interval) | late onset caught | "
+             "real late onset caught |", "| --- | --- | --- | --- |"]
     for r in results:
-        cells = [f"{r[k]['caught']} of {r[k]['rows']} ({100 * r[k]['recall']:.2f} %; at the held half's own 0.1 % "
-                 f"point {r[k]['caught_at_own_threshold']})" if k in r else "–"
+        cells = [f"{r[k]['caught']} of {r[k]['rows']} ({100 * r[k]['recall']:.2f} %; at the held halves' own 0.1 % "
+                 f"points {r[k]['caught_at_own_threshold']})" if k in r else "–"
                  for k in ("late_onset", "real_late_onset")]
-        lines.append(f"| {r['condition']} | {r['false']} of {r['clean_rows']} ({100 * r['false_rate']:.3f} %) | "
+        low, high = (100 * v for v in r["false_ci"])
+        lines.append(f"| {r['condition']} | {r['false']} of {r['clean_rows']} ({100 * r['false_rate']:.3f} %; "
+                     f"[{low:.3f}, {high:.3f}]) | "
                      + " | ".join(cells) + " |")
     (out / "likelihood-bound.md").write_text(
         "# Likelihood-ratio test for late onset under the hybrid-7B noise model (`benchmarks/likelihood_bound.py`)\n\n"

@@ -83,14 +83,29 @@ def test_tokens_the_test_does_not_read_change_nothing():
     assert suffix_log_lr(later, first, torch.zeros(1, 4, dtype=torch.bool)) == -math.inf
 
 
-def test_the_bound_counts_false_quarantines_on_the_half_it_did_not_fit():
+def test_the_bound_counts_every_clean_row_once_with_a_threshold_set_on_the_other_half():
     generator = torch.Generator().manual_seed(4)
     clean = _clean(4001, generator)
     figures = bound(clean, {}, _noise(generator), SIGMA0, 500, generator)
-    assert figures["clean_rows"] == 2001  # the half it did not fit (2,000 rows)
-    assert figures["false"] < 10  # 0.1 % of the other half expected: 2
+    assert figures["clean_rows"] == 4001 and len(figures["thresholds_log_lr"]) == 2
+    assert figures["false"] < 20  # 0.1 % of each half expected: 4 in all
+    assert figures["late_onset"]["rows"] == 500
     assert figures["late_onset"]["caught"] >= 495
     assert figures["late_onset"]["caught_at_own_threshold"] >= 495
+
+
+def test_a_threshold_set_on_the_rows_it_counts_would_flag_none_of_them():
+    """With fewer than 1,000 rows a half's 0.1 % point is its highest score, so counted in sample no clean row is
+    ever above it (``own_false``, every time); counted on the other half, a row lies above it about as often as
+    the held half's highest score beats the fitted half's (about once per half: ~20 in 10 draws of two halves)."""
+    flagged = 0
+    for seed in range(10):
+        generator = torch.Generator().manual_seed(10 + seed)
+        figures = bound(_clean(200, generator), {}, _noise(generator), SIGMA0, 10, generator)
+        assert figures["clean_rows"] == 200
+        assert figures["own_false"] == 0
+        flagged += figures["false"]
+    assert flagged >= 5
 
 
 def test_the_module_examples_run():
