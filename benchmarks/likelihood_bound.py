@@ -174,6 +174,12 @@ def row_log_lr(rows: Rollouts, base: tuple[torch.Tensor, torch.Tensor], sigma0: 
     return torch.cat(out)
 
 
+def _goal_point(scores: torch.Tensor) -> float:
+    """The score above which ``GOAL_FALSE_RATE`` of ``scores`` lie (the ``int(0.001 · n)``-th highest, 0-based):
+    the threshold a set of clean rows' scores puts at the goal's false rate."""
+    return float(scores.sort(descending=True).values[int(GOAL_FALSE_RATE * len(scores))])
+
+
 def bound(clean: Rollouts, real: dict[str, Rollouts], apply, sigma0: float, count: int,
           generator: torch.Generator) -> dict:
     """Cross-fitted figures: the clean rows are split in two at random; on each half the test reads the measured
@@ -191,10 +197,9 @@ def bound(clean: Rollouts, real: dict[str, Rollouts], apply, sigma0: float, coun
         fit, held = clean.rows(fit_index), clean.rows(held_index)
         base = measured_mismatch(fit)
         fit_scores = row_log_lr(apply(fit), base, sigma0)
-        allowed = int(GOAL_FALSE_RATE * len(fit_scores))  # rows above the threshold on the fitting half
-        threshold = float(fit_scores.sort(descending=True).values[allowed])
+        threshold = _goal_point(fit_scores)
         held_scores = row_log_lr(apply(held), base, sigma0)
-        own = float(held_scores.sort(descending=True).values[int(GOAL_FALSE_RATE * len(held_scores))])
+        own = _goal_point(held_scores)
         share = count // 2 if side == 0 else count - count // 2
         index = torch.randint(0, len(held), (share,), generator=generator)
         faults = {"late_onset": apply(zoo.late_onset(held.rows(index), generator))}

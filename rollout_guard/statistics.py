@@ -224,7 +224,6 @@ hybrid-7B-tail streams; five in the first two steps, two in a bucket with too fe
 more isolated spikes missed of 27,000; see ``benchmarks/DETECTOR_RECORD.md``."""
 
 
-
 def length_raised_spike(spike_excess: float, tokens_per_row: float | torch.Tensor) -> float | torch.Tensor:
     """The uncalibrated spike threshold for rows of ``tokens_per_row`` compared tokens (nats): ``spike_excess``,
     measured on rows of up to :data:`UNCALIBRATED_ROW_TOKENS`, raised by :data:`UNCALIBRATED_SPIKE_SLOPE` per
@@ -247,6 +246,7 @@ def length_raised_spike(spike_excess: float, tokens_per_row: float | torch.Tenso
         longer = (tokens_per_row / UNCALIBRATED_ROW_TOKENS).clamp(min=1.0)
         return spike_excess + UNCALIBRATED_SPIKE_SLOPE * torch.log(longer)
     return spike_excess + UNCALIBRATED_SPIKE_SLOPE * math.log(max(tokens_per_row / UNCALIBRATED_ROW_TOKENS, 1.0))
+
 
 def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
                      own: torch.Tensor | None, follow: float | None = None, spiky: torch.Tensor | None = None,
