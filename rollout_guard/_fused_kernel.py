@@ -44,29 +44,29 @@ def guard_rows(
     aggregates_at = kept_at + 1
     # the parameter table (rollout_guard.fused_statistics.kernel_parameters)
     thresholds_ptr = parameters_ptr
-    confident_logprob = tl.load(parameters_ptr + 16)
-    doubtful_logprob = tl.load(parameters_ptr + 17)
-    divergence_delta = tl.load(parameters_ptr + 18)
-    spike_min_engine_logprob = tl.load(parameters_ptr + 19)
-    edge0 = tl.load(parameters_ptr + 20)
-    edge1 = tl.load(parameters_ptr + 21)
-    edge2 = tl.load(parameters_ptr + 22)
-    clip_low = tl.load(parameters_ptr + 23)
-    clip_high = tl.load(parameters_ptr + 24)
-    k3_cap = tl.load(parameters_ptr + 25)
-    min_nonfinite_engine = tl.load(parameters_ptr + 26)
-    min_nonfinite_trainer = tl.load(parameters_ptr + 27)
-    spike_delta = tl.load(parameters_ptr + 28)
-    mean_delta = tl.load(parameters_ptr + 29)
-    min_confident_wrong = tl.load(parameters_ptr + 30)
-    drift_threshold = tl.load(parameters_ptr + 31)
-    spike_min_trainer_logprob = tl.load(parameters_ptr + 32)
-    unlikely_step_clip = tl.load(parameters_ptr + 33)
-    joint_limit = tl.load(parameters_ptr + 34)
-    joint_weight = tl.load(parameters_ptr + 35)
-    delta_edges_ptr = parameters_ptr + 36
-    excess_edges_ptr = parameters_ptr + 36 + NUM_DELTA
-    rows_ptr = parameters_ptr + 36 + NUM_DELTA + NUM_EXCESS  # each row's spike thresholds: 4 slopes, floor, mean row
+    confident_logprob = tl.load(parameters_ptr + 20)
+    doubtful_logprob = tl.load(parameters_ptr + 21)
+    divergence_delta = tl.load(parameters_ptr + 22)
+    spike_min_engine_logprob = tl.load(parameters_ptr + 23)
+    edge0 = tl.load(parameters_ptr + 24)
+    edge1 = tl.load(parameters_ptr + 25)
+    edge2 = tl.load(parameters_ptr + 26)
+    clip_low = tl.load(parameters_ptr + 27)
+    clip_high = tl.load(parameters_ptr + 28)
+    k3_cap = tl.load(parameters_ptr + 29)
+    min_nonfinite_engine = tl.load(parameters_ptr + 30)
+    min_nonfinite_trainer = tl.load(parameters_ptr + 31)
+    spike_delta = tl.load(parameters_ptr + 32)
+    mean_delta = tl.load(parameters_ptr + 33)
+    min_confident_wrong = tl.load(parameters_ptr + 34)
+    drift_threshold = tl.load(parameters_ptr + 35)
+    spike_min_trainer_logprob = tl.load(parameters_ptr + 36)
+    unlikely_step_clip = tl.load(parameters_ptr + 37)
+    joint_limit = tl.load(parameters_ptr + 38)
+    joint_weight = tl.load(parameters_ptr + 39)
+    delta_edges_ptr = parameters_ptr + 40
+    excess_edges_ptr = parameters_ptr + 40 + NUM_DELTA
+    rows_ptr = parameters_ptr + 40 + NUM_DELTA + NUM_EXCESS  # each row's spike thresholds: 4 slopes, floor, mean row
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -89,7 +89,7 @@ def guard_rows(
     max_engine = tl.zeros([], dtype=tl.float32) - inf
     max_trainer = tl.zeros([], dtype=tl.float32) - inf
     margin = tl.zeros([], dtype=tl.float32) - inf  # over the tokens no side found likely
-    bucket_max = tl.zeros([4], dtype=tl.float32) - inf  # the largest |x| of a spike candidate, per bucket
+    bucket_max = tl.zeros([4], dtype=tl.float32) - inf  # the largest judged |x| of a spike candidate, per bucket
     running = tl.zeros([], dtype=tl.float32)  # the CUSUM's running sum so far
     low = tl.zeros([], dtype=tl.float32) + inf  # its running minimum
     low_at = tl.zeros([], dtype=tl.int32)  # and where (the last position that reached it)
@@ -144,9 +144,17 @@ def guard_rows(
         centre = tl.load(thresholds_ptr + bucket)
         allowance = tl.load(thresholds_ptr + 4 + bucket)
         unlikely_spike = tl.load(thresholds_ptr + 12 + bucket)
+        weighted = tl.load(thresholds_ptr + 16 + bucket) > 0.0
         excess = tl.where(both, (engine - trainer) - centre, 0.0)
+        # the surprise weight w (rollout_guard.statistics.surprise_weight): the histograms read w·|x|, the spike
+        # rules w·|x| where the bucket is calibrated (weighted), else |x|; IEEE division, as torch's
+        lower = tl.where(bucket <= 1, -edge0, tl.where(bucket == 2, -edge1, -edge2))
+        surprise = tl.minimum(tl.maximum(-engine, 0.0), -edge0)
+        weight = tl.where(engine_ok, tl.math.div_rn(1.0 + lower, 1.0 + surprise), 1.0)
+        magnitude = tl.abs(excess * weight)
+        judged = tl.where(weighted, magnitude, tl.abs(excess))
         likely = both & ((engine >= spike_min_engine_logprob) | (trainer >= spike_min_trainer_logprob))
-        margin = tl.maximum(margin, tl.max(tl.where(both & ~likely, tl.abs(excess) - unlikely_spike, -inf), axis=0))
+        margin = tl.maximum(margin, tl.max(tl.where(both & ~likely, judged - unlikely_spike, -inf), axis=0))
         clipped = tl.minimum(tl.maximum(excess, clip_low), clip_high)
 
         # CUSUM drawup, carried across blocks: C_t, min(0, min_{j≤t} C_j) and where that minimum was
@@ -181,8 +189,7 @@ def guard_rows(
         delta_bin = tl.where((delta_bin + 1 < NUM_DELTA) & (abs_delta >= above), delta_bin + 1, delta_bin)
         if HISTOGRAMS:
             delta_counts += tl.histogram(tl.where(both, delta_bin, 127), 128)
-        # |x| bin = (edges ≤ |x|) − 1 over 2^(k/4), k = −8 … 24 (−1 below 0.25), the same way
-        magnitude = tl.abs(excess)
+        # w·|x| bin = (edges ≤ w·|x|) − 1 over 2^(k/4), k = −8 … 24 (−1 below 0.25), the same way
         guess = tl.floor(tl.log(tl.maximum(magnitude, 1e-30)) * 5.770780163555854).to(tl.int32) + 8
         excess_bin = tl.minimum(tl.maximum(guess, 0), NUM_EXCESS - 1)
         excess_bin = tl.where(magnitude < tl.load(excess_edges_ptr + excess_bin), excess_bin - 1, excess_bin)
@@ -196,7 +203,7 @@ def guard_rows(
         bucket_sum += tl.sum(tl.where(in_bucket, clipped[:, None], 0.0), axis=0)
         bucket_square += tl.sum(tl.where(in_bucket, (clipped * clipped)[:, None], 0.0), axis=0)
         bucket_candidates += tl.sum((in_bucket & likely[:, None]).to(tl.float32), axis=0)
-        bucket_max = tl.maximum(bucket_max, tl.max(tl.where(in_bucket & likely[:, None], magnitude[:, None], -inf),
+        bucket_max = tl.maximum(bucket_max, tl.max(tl.where(in_bucket & likely[:, None], judged[:, None], -inf),
                                                    axis=0))
 
     nan = float("nan")

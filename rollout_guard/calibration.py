@@ -16,7 +16,8 @@ engine's logprob (:data:`rollout_guard.statistics.ENGINE_BUCKET_EDGES`):
   threshold. A one-sided CUSUM with allowance a over increments of spread σ crosses h in one excursion with
   probability ≈ exp(−2ah/σ²) (Siegmund's approximation), and a sample has at most ~L excursions, so a noisy bucket
   (healthy hybrid runs, low-probability tokens) gets a larger allowance and a quiet one keeps the configured one;
-* the spike threshold: the ``1 − α`` quantile of healthy ``|x|``, ``x = d − centre``, over the bucket's spike
+* the spike threshold: the ``1 − α`` quantile of healthy ``w · |x|``, ``x = d − centre`` and ``w`` ≥ 1 the
+  token's :func:`~rollout_guard.statistics.surprise_weight` (which the rule then reads too), over the bucket's spike
   candidates (tokens the engine or the trainer found likely: ``GuardConfig.spike_min_engine_logprob``,
   ``spike_min_trainer_logprob``), with ``α = false_alarm_budget / 1000 / (candidates per
   sample)`` so that the expected number of false ``directional_spike`` firings stays within the budget (for each
@@ -616,14 +617,16 @@ class Calibration:
                                                  for values in self.threshold_values()))
         return self._thresholds[key]
 
-    def threshold_values(self) -> tuple[list[float], list[float], list[float], list[float]]:
-        """The same thresholds as Python floats (centre, allowance, spike, unlikely spike per bucket; computed once
-        per update; the same tuple object until the next update)."""
+    def threshold_values(self) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+        """The same thresholds as Python floats (centre, allowance, spike, unlikely spike per bucket, and 1.0 where
+        the spike rules read :func:`~rollout_guard.statistics.surprise_weight` · |x|: the calibrated buckets, whose
+        thresholds are read from histograms of it; computed once per update; the same tuple object until the next
+        update)."""
         if self._values is None:
             self._values = self._compute_thresholds()
         return self._values
 
-    def _compute_thresholds(self) -> tuple[list[float], list[float], list[float], list[float]]:
+    def _compute_thresholds(self) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
         config = self.config
         self._row_scaling = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)  # no bucket read: every row alike
         fixed = tuple(t.tolist() for t in Thresholds.fixed(config))  # centre 0, warm-up allowance, spike_excess, inf
@@ -646,8 +649,9 @@ class Calibration:
         # tokens than a tail quantile); before, the warm-up allowance, above an offset not yet known
         allowance = [max(v * log_odds / (2 * drift_threshold), config.drift_allowance) if own else fixed_allowance
                      for v, own in zip(self._variance, centred, strict=True)]
+        weighted = [1.0 if w else 0.0 for w in warm]  # thresholds read from w·|x| (rollout_guard.statistics)
         if not any(warm):
-            return centre, allowance, uncalibrated, kept_unlikely
+            return centre, allowance, uncalibrated, kept_unlikely, weighted
         candidates = [bucket[3] for bucket in self._sums]
         per_sample = sum(candidates) / max(self.rows, 1.0)  # spike candidates per sample, all buckets
         alpha = (config.false_alarm_budget / 1000.0) / max(per_sample, 1.0)
@@ -669,7 +673,7 @@ class Calibration:
         unlikely = [unlikely_spike_threshold(bucket[1:], bucket[0], cap, floor, needed) if read else kept
                     for bucket, read, kept in zip(self._unlikely, self._unlikely_read(warm, needed), kept_unlikely,
                                                   strict=True)]
-        return centre, allowance, spike, unlikely
+        return centre, allowance, spike, unlikely, weighted
 
     def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None,
                judged_with: tuple[list[float], list[bool]] | None = None) -> None:
@@ -748,7 +752,7 @@ class Calibration:
                 "fresh_rows": self._fresh_rows,
                 "drift": list(self._drift), "drift_rows": self._drift_rows,
                 "unlikely": [list(bucket) for bucket in self._unlikely], "carried": list(self._carried),
-                "unlikely_fresh": list(self._unlikely_fresh), "age": self.age,
+                "unlikely_fresh": list(self._unlikely_fresh), "age": self.age, "surprise_weighted": True,
                 "pending": None if self._pending is None else [
                     self._pending[0].double().tolist(), self._pending[1],
                     None if self._pending[2] is None else self._pending[2].double().tolist(),
@@ -779,3 +783,7 @@ class Calibration:
             torch.tensor(pending[0], dtype=torch.float64), float(pending[1]),
             None if pending[2] is None else torch.tensor(pending[2], dtype=torch.float64),
             ([float(value) for value in pending[3][0]], [bool(flag) for flag in pending[3][1]]))
+        if not state.get("surprise_weighted", False):
+            # a checkpoint from before the spike histograms held surprise_weight · |x|: thresholds read from |x|
+            # would judge w · |x| up to 1.67-fold tighter; start over, carrying them as uncalibrated ones (restart)
+            self.restart()

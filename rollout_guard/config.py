@@ -76,7 +76,8 @@ class GuardConfig:
     ``spike_min_trainer_logprob``) has ``|x|``, ``x = (engine − trainer) − centre``, above its engine bucket's
     threshold: this value until the bucket is calibrated (or the batch's own reading where that is lower:
     :func:`rollout_guard.statistics.batch_spike_thresholds`), then the run's extrapolated ``1 − α`` quantile of healthy
-    ``|x|`` (α from ``false_alarm_budget``; see :mod:`rollout_guard.calibration`), never below
+    ``w · |x|`` (α from ``false_alarm_budget``; see :mod:`rollout_guard.calibration`; ``w`` ≥ 1 the token's
+    :func:`rollout_guard.statistics.surprise_weight`, which the calibrated rule reads too), never below
     ``calibrated_spike_floor``. The other tokens, which neither side found likely, are judged too once calibrated,
     against a threshold of their own that is +inf while their healthy tail is heavy
     (:func:`rollout_guard.calibration.unlikely_spike_threshold`). Catches 1–3 isolated spikes (the scan-kernel
@@ -89,8 +90,9 @@ class GuardConfig:
     tokens, 4 nats flagged 0.21–0.30 % of the healthy rows under the hybrid-7B tail). Default 4.0."""
 
     calibrated_spike_floor: float = 1.5
-    """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold is the
-    larger of this and the run's extrapolated healthy quantile (with fewer than 50 spike candidates,
+    """nats. Once a bucket is calibrated (``calibration_warmup_tokens`` kept tokens), its spike threshold (on
+    ``w · |x|``, :func:`rollout_guard.statistics.surprise_weight`) is the larger of this and the run's extrapolated
+    healthy quantile (with fewer than 50 spike candidates,
     :data:`rollout_guard.calibration.MIN_SPIKE_CANDIDATES`: the Gaussian bound of its tokens' spread, capped at
     ``spike_excess``); before, ``spike_excess`` applies. Lower than ``spike_excess`` so that a 3-nat spike still
     fires when the token's own noise or a processed-logprob offset takes up to 1.5 nats off it. Measured on the

@@ -75,7 +75,8 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                       device: torch.device | str, drift_threshold: float | None = None,
                       scaling: RowScaling | None = None) -> torch.Tensor:
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
-    calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike; 16), the config's token
+    calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike, whether the spike rules
+    read the surprise-weighted |x|; 20), the config's token
     thresholds and rule thresholds (16; +inf for a rule that is off), the trainer's spike-candidate cut and the CUSUM
     step clip of tokens no side found likely (2), the drift rule's joint limit (−``joint_margin``, +inf if off) and
     weight (2), the |Δ| and |x| histogram edges as the reference compares them
@@ -92,7 +93,7 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
                _threshold(config.spike_delta), _threshold(config.mean_delta), _threshold(config.confident_wrong_tokens),
                _threshold(drift), float(config.spike_min_trainer_logprob), UNLIKELY_STEP_CLIP,
                _threshold(config.joint_drift_limit), float(config.joint_drift_weight)]
-    assert len(values) == 36
+    assert len(values) == 40
     rows = ([0.0] * NUM_ENGINE_BUCKETS + [0.0, 1.0] if scaling is None
             else [float(v) for v in scaling.slope.tolist()] + [float(scaling.floor), float(scaling.candidates)])
     return to_device(torch.tensor(values + _EDGE_VALUES + rows, dtype=torch.float32), device)

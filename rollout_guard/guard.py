@@ -371,7 +371,7 @@ class RolloutGuard:
         cached = self._metrics_cache
         if cached is not None and cached[0] is values and cached[1] == drift and cached[2] == self.calibration_resets:
             return cached[3]
-        centre, _, spike, unlikely = values
+        centre, _, spike, unlikely, _ = values
         metrics = {"calibrated_buckets": float(sum(self.calibration.calibrated_flags())),
                    "calibration_resets": float(self.calibration_resets),
                    "calibration/drift_threshold": drift if drift is not None else math.nan}

@@ -106,6 +106,48 @@ def engine_bucket(engine: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(engine.contiguous(), edges, right=True)
 
 
+def surprise_weight(engine: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
+    """How much a token's ``|x|`` counts against its engine bucket's calibrated spike threshold (a factor ≥ 1):
+    healthy mismatch grows with a token's surprise ``s = −engine logprob``, so within a bucket the tokens the engine
+    found likelier are held to a tighter threshold, as if each were as surprising as the bucket's least likely one:
+
+    .. math:: w = \\frac{1 + s_k}{1 + \\min(s,\\ s_0)}
+
+    with ``s_k`` the surprise at bucket ``k``'s lower logprob edge (:data:`ENGINE_BUCKET_EDGES`: 3, 3, 1.5 and 0.5
+    nats) and ``s_0`` = 3 nats, so that the lowest bucket (engine logprob < −3 nats, where the heavy healthy tails
+    live) is not scaled. Within a bucket ``w`` spans at most 1.67: the spread of healthy mismatch grows about as
+    much across each upper bucket under ``σ ∝ 1 + s`` (the hybrid-7B noise model fitted to open-instruct's published
+    figures). A token without a finite engine logprob has ``w = 1``.
+
+    The spike histograms always read ``w · |x|``, so a bucket's calibrated spike thresholds are read on it, and the
+    spike rules read ``w · |x|`` in the buckets whose threshold is calibrated (:attr:`Thresholds.weighted`) and
+    ``|x|`` in the others, whose thresholds are in nats (``spike_excess``, the batch's own reading). The drift CUSUM
+    and the centres read ``x``. Measured on the fidelity benchmark (1,000 faults per condition, on the engine's
+    support; ``benchmarks/DETECTOR_RECORD.md``, twenty-fourth and twenty-fifth entries): told the settings, late
+    onset missed 14 → 12 of 27,000, flagged judgements of resampled healthy rows 51 → 27 of 888,995, false
+    quarantines 6 → 6 of 122,368; never told them, late onset 158 → 20, moderate 29 → 3, false 5 → 4. Applied to
+    every bucket (the fixed 4 nats judging ``w · |x|`` too), false quarantines rose 7 → 22 with the trainer's
+    logprobs not renormalised over the engine's top-k support: a renormalisation offset does not grow with
+    surprise.
+
+    Args:
+        engine: (B, T) engine logprobs (nats).
+        bucket: (B, T) their :func:`engine_bucket`.
+    Returns:
+        (B, T) float32.
+
+    >>> engine = torch.tensor([[-7.0, -3.0, -1.6, -1.5, -0.5, -0.01, float("nan")]])
+    >>> bucket = engine_bucket(torch.nan_to_num(engine, nan=0.0))
+    >>> [round(v, 3) for v in surprise_weight(engine, bucket)[0].tolist()]
+    [1.0, 1.0, 1.538, 1.0, 1.0, 1.485, 1.0]
+    """
+    edges = _edges_on("engine", torch.float32, str(engine.device))
+    lower = torch.cat([edges[:1], edges]).neg()  # each bucket's highest surprise: 3, 3, 1.5, 0.5 nats
+    surprise = engine.float().neg().clamp(min=0.0, max=float(-ENGINE_BUCKET_EDGES[0]))
+    weight = (1.0 + lower[bucket]) / (1.0 + surprise)
+    return torch.where(torch.isfinite(engine), weight, torch.ones_like(weight))
+
+
 def cusum_drawup(increments: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One-sided CUSUM over each row: the largest rise of the running sum, and where that rise starts.
 
@@ -137,13 +179,16 @@ def cusum_drawup(increments: torch.Tensor, valid: torch.Tensor) -> tuple[torch.T
 class Thresholds(NamedTuple):
     """Per engine-logprob bucket (NUM_ENGINE_BUCKETS,) tensors the detector statistics need: the centre of
     healthy ``d`` (nats), the CUSUM allowance (nats per token), the spike threshold on ``|x|`` of spike candidates
-    (nats; for the mean row: each row's own comes from :func:`spike_per_row`) and the one on ``|x|`` of the other
-    tokens, which neither side found likely (nats; +inf: not judged)."""
+    (nats; for the mean row: each row's own comes from :func:`spike_per_row`), the one on ``|x|`` of the other
+    tokens, which neither side found likely (nats; +inf: not judged), and whether the spike rules read
+    :func:`surprise_weight` · ``|x|`` against them (1.0: thresholds read from the calibration's histograms, which
+    hold that) or ``|x|`` (0.0: thresholds in nats)."""
 
     centre: torch.Tensor
     allowance: torch.Tensor
     spike: torch.Tensor
     unlikely_spike: torch.Tensor
+    weighted: torch.Tensor
 
     @classmethod
     def fixed(cls, config: GuardConfig, device: torch.device | str = "cpu") -> Thresholds:
@@ -152,7 +197,7 @@ class Thresholds(NamedTuple):
         tails)."""
         full = functools.partial(torch.full, (NUM_ENGINE_BUCKETS,), dtype=torch.float32, device=device)
         spike = config.spike_excess if config.spike_excess is not None else math.inf
-        return cls(full(0.0), full(config.warmup_drift_allowance), full(spike), full(math.inf))
+        return cls(full(0.0), full(config.warmup_drift_allowance), full(spike), full(math.inf), full(0.0))
 
 
 class RowScaling(NamedTuple):
@@ -373,7 +418,7 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
         read = batch_spike_thresholds(kept, centre, kept_count, per_row, config.false_alarm_budget, floor)
         spike = torch.where(spiky & (kept_count >= BATCH_CENTRE_MIN_TOKENS) & likely,
                             torch.minimum(spike, read), spike)
-    judged = Thresholds(centre, allowance, spike, thresholds.unlikely_spike.to(device))
+    judged = Thresholds(centre, allowance, spike, thresholds.unlikely_spike.to(device), thresholds.weighted.to(device))
     return judged, centre - calibrated
 
 
@@ -452,9 +497,9 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
               scaling: RowScaling | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, the |Δ| histogram of the compared tokens,
     (NUM_DELTA_BINS,) int64 counts (exact at any size), and each sample's calibration contribution,
-    (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), spike candidates and their |x|
-    histogram per bucket, and the other tokens' |x| histogram), from one pass over the token tensors; all stay on
-    the evidence's device.
+    (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), spike candidates and their
+    :func:`surprise_weight` · |x| histogram per bucket, and the other tokens' w · |x| histogram), from one pass over
+    the token tensors; all stay on the evidence's device.
     ``thresholds``: the calibrated detector thresholds (default: :meth:`Thresholds.fixed`); ``scaling``: how the
     calibrated spike thresholds move with a row's spike candidates (:func:`spike_per_row`; ``None``: they do not)."""
     evidence = _at_least_one_column(evidence)
@@ -485,18 +530,20 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
     centre, allowance, unlikely_spike = (t.to(device=valid.device, dtype=torch.float32)[bucket]
                                          for t in (thresholds.centre, thresholds.allowance, thresholds.unlikely_spike))
     excess = torch.where(both, (engine - trainer) - centre, torch.zeros_like(engine))
+    weighted = excess * surprise_weight(engine, bucket)  # what the spike histograms read
+    judged = torch.where(thresholds.weighted.to(device=valid.device)[bucket] > 0, weighted, excess)  # the rules
     likely = both & ((engine >= config.spike_min_engine_logprob) | (trainer >= config.spike_min_trainer_logprob))
     spike_table = thresholds.spike.to(device=valid.device, dtype=torch.float32)
     if scaling is not None:  # each row's own threshold per bucket
         spike = spike_per_row(spike_table, scaling, likely.sum(dim=-1)).gather(1, bucket)
     else:
         spike = spike_table[bucket]
-    over = _masked_max(excess.abs() - torch.where(likely, spike, unlikely_spike), both)
+    over = _masked_max(judged.abs() - torch.where(likely, spike, unlikely_spike), both)
     spike_margin = torch.where(over == -math.inf, nan_row, over)  # no token that can fire (all thresholds +inf)
     clipped = excess.clamp(*EXCESS_CLIP)
     steps = torch.where(likely, clipped, clipped.clamp(max=UNLIKELY_STEP_CLIP))
     drift, drift_start = cusum_drawup(steps - allowance, both)
-    contribution = calibration_contribution(bucket, excess, clipped, both, likely)
+    contribution = calibration_contribution(bucket, weighted, clipped, both, likely)
     columns = {
         "tokens": valid.sum(dim=-1),
         "compared_tokens": compared,
@@ -531,6 +578,8 @@ def calibration_contribution(bucket: torch.Tensor, excess: torch.Tensor, clipped
     """Per sample and engine bucket: compared tokens, Σ clip(x), Σ clip(x)², spike-candidate tokens, the
     histogram of their |x| over :data:`EXCESS_EDGES` and that of the other compared tokens' |x| (from
     :data:`UNLIKELY_HISTOGRAM`); (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32, by scatter (no host sync).
+    ``excess``: the x whose magnitudes are binned (:func:`summarise` passes :func:`surprise_weight` · x, what the
+    calibrated spike rules read); ``clipped``: clip(x) of the sums.
 
     >>> c = calibration_contribution(torch.tensor([[3, 3, 0]]), torch.tensor([[0.1, -1.0, -2.0]]),
     ...                              torch.tensor([[0.1, -1.0, -1.0]]), torch.tensor([[True, True, False]]),

@@ -337,7 +337,7 @@ def test_a_noisy_bucket_gets_a_larger_drift_allowance():
     assert float(allowance[1]) > 0.7 and float(allowance[3]) == pytest.approx(2.0)  # bucket 3 never warmed up
     assert not guard.inspect(noisy(), step=4).suspect.any()
     full = lambda value: torch.full((NUM_ENGINE_BUCKETS,), value)  # noqa: E731
-    fixed = Thresholds(full(0.0), full(0.5), full(99.0), full(math.inf))
+    fixed = Thresholds(full(0.0), full(0.5), full(99.0), full(math.inf), full(0.0))
     from rollout_guard.statistics import summarise
     samples = summarise(noisy(), config, fixed)[0]
     assert (samples[:, COLUMN["drift_cusum"]] > config.drift_threshold).float().mean() > 0.5, "control: 0.5 nats is too little here"
@@ -499,7 +499,8 @@ def test_a_run_with_few_unlikely_tokens_per_row_is_judged_once_their_bound_allow
 def test_an_unlikely_token_at_the_threshold_does_not_fire_and_just_above_it_does():
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
     thresholds = Thresholds(torch.zeros(NUM_ENGINE_BUCKETS), torch.full((NUM_ENGINE_BUCKETS,), 0.5),
-                            torch.full((NUM_ENGINE_BUCKETS,), 4.0), torch.tensor([2.5, math.inf, math.inf, math.inf]))
+                            torch.full((NUM_ENGINE_BUCKETS,), 4.0), torch.tensor([2.5, math.inf, math.inf, math.inf]),
+                            torch.zeros(NUM_ENGINE_BUCKETS))
     from rollout_guard.statistics import summarise
     evidence = rows([[-10.49, -0.1], [-10.51, -0.1], [-8.0, -0.1]], [[-7.99, -0.1], [-7.99, -0.1], [-8.0, -0.1]])
     margin = summarise(evidence, config, thresholds)[0][:, COLUMN["spike_margin"]].tolist()
@@ -557,9 +558,10 @@ SETTINGS = ("temperature=1.0", "top_p=1.0")  # what the TRL adapter hands over e
 
 def test_the_drift_threshold_is_the_runs_own_once_calibrated():
     """A quiet run's healthy CUSUM stays near 0: told its sampling settings, the guard's drift threshold falls to
-    the floor (2.5 nats) and a short late drift (8 tokens 1.1 nats off: CUSUM 4.8) is caught that the fixed 6 nats
-    miss; 4 such tokens (2.4, just below the floor) are not; it survives a checkpoint; never told the settings, a
-    guard keeps the fixed one; a restart starts it at the fixed one."""
+    the floor (2.5 nats) and a short late drift (8 tokens 0.85 nats off: CUSUM 8 × 0.35 = 2.8) is caught that the
+    fixed 6 nats miss; 7 such tokens (2.45, just below the floor) are not (nor by the joint part: their spike margin,
+    1.25 · 0.85 − 1.5 under the surprise weight at −1 nats, is −0.44); it survives a checkpoint; never told the
+    settings, a guard keeps the fixed one; a restart starts it at the fixed one."""
     config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
     fixed = RolloutGuard(GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, calibrated_drift_floor=6.0))
     guard = RolloutGuard(config)
@@ -570,10 +572,10 @@ def test_the_drift_threshold_is_the_runs_own_once_calibrated():
         fixed.inspect(evidence, step=step, sampling=SETTINGS)
     assert guard.calibration.drift_threshold_value() == pytest.approx(config.calibrated_drift_floor) == 2.5
     assert fixed.calibration.drift_threshold_value() == pytest.approx(6.0)
-    late = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=8, gap=1.1)
+    late = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=8, gap=0.85)
     assert guard.inspect(late, step=9, sampling=SETTINGS).suspect.tolist() == late.injected.tolist()
     assert not fixed.inspect(late, step=9, sampling=SETTINGS).suspect.any()
-    shorter = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=4, gap=1.1)
+    shorter = with_late_drift(gaussian_candidates(generator, 8, 64, sigma=0.05), row=2, tokens=7, gap=0.85)
     assert not guard.inspect(shorter, step=10, sampling=SETTINGS).suspect.any()
     restored = RolloutGuard(config)
     restored.load_state_dict(guard.state_dict())
@@ -681,6 +683,29 @@ def test_a_restart_keeps_a_noisy_buckets_threshold_through_the_warm_up():
     assert calibration.calibrated_flags() == [False] * NUM_ENGINE_BUCKETS
     assert calibration.threshold_values()[2] == read  # carried, not dropped to spike_excess
     assert calibration.threshold_values()[0] == [0.0] * NUM_ENGINE_BUCKETS  # centres start over
+
+
+def test_a_checkpoint_from_before_the_surprise_weight_starts_its_calibration_over():
+    """Its spike histograms hold |x|; thresholds read from them would judge w · |x| (up to 1.67-fold tighter): such
+    a checkpoint restarts the calibration, its thresholds carried as uncalibrated ones (judged on |x|). A checkpoint
+    of today's loads as it was saved."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(7)
+    for step in range(1, 5):
+        guard.inspect(gaussian_candidates(generator, 256, 64, sigma=0.5), step=step, sampling=SETTINGS)
+    assert guard.calibration.calibrated_flags()[2]
+    state = guard.state_dict()
+    today = RolloutGuard(config)
+    today.load_state_dict(state)
+    assert today.calibration.threshold_values() == guard.calibration.threshold_values()
+    older = RolloutGuard(config)
+    calibration = {key: value for key, value in state["calibration"].items() if key != "surprise_weighted"}
+    older.load_state_dict({**state, "calibration": calibration})
+    assert older.calibration.calibrated_flags() == [False] * NUM_ENGINE_BUCKETS
+    assert older.calibration.threshold_values()[4] == [0.0] * NUM_ENGINE_BUCKETS  # judged on |x|
+    assert older.calibration.threshold_values()[2][2] == max(config.spike_excess,
+                                                             guard.calibration.threshold_values()[2][2])
 
 
 def test_the_drift_reading_sees_the_rows_its_own_rule_flagged():
@@ -1083,8 +1108,9 @@ def test_a_checkpoint_from_before_the_kept_unlikely_memory_counts_its_tokens_as_
 
 
 def symmetric_candidates(generator: torch.Generator, batch: int, length: int, sigma: float) -> RolloutEvidence:
-    """Healthy rows in the bucket [−3, −1.5) (every token a candidate), d ~ N(0, σ²) on both sides."""
-    engine = torch.full((batch, length), -2.0)
+    """Healthy rows in the bucket [−3, −1.5) (every token a candidate), d ~ N(0, σ²) on both sides; at its lower
+    edge, where the surprise weight is 1 (rollout_guard.statistics.surprise_weight), so thresholds read in nats."""
+    engine = torch.full((batch, length), -3.0)
     return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
                            trainer_logprobs=engine - sigma * torch.randn(batch, length, generator=generator))
 
@@ -1107,6 +1133,42 @@ def test_a_light_tailed_bucket_reads_its_spike_threshold_near_its_data():
     assert 4.6 * 0.35 < threshold < 1.95, threshold
     report = guard.inspect(spiked(symmetric_candidates(generator, 256, 64, 0.35), 9, 2.0), step=31, sampling=SETTINGS)
     assert report.suspect.nonzero().flatten().tolist() == [9]
+
+
+def surprise_scaled_candidates(generator: torch.Generator, batch: int, length: int, sigma: float) -> RolloutEvidence:
+    """Healthy rows in the top bucket (engine logprob in [−0.5, −0.01]), d ~ N(0, (σ (1 + s))²) with ``s`` the
+    token's surprise: healthy mismatch grows with it (the fidelity benchmark's hybrid-7B noise model)."""
+    engine = -0.01 - 0.49 * torch.rand(batch, length, generator=generator)
+    trainer = engine - sigma * (1 - engine) * torch.randn(batch, length, generator=generator)
+    return RolloutEvidence(mask=torch.ones(batch, length, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=trainer)
+
+
+def test_a_likely_token_is_held_to_the_spread_of_its_own_surprise():
+    """Healthy spread σ (1 + s) in the bucket [−0.5, 0] (σ = 0.3: 0.3 nats at s = 0, 0.45 at its lower edge). The
+    calibrated threshold is read from w · |x| (statistics.surprise_weight, here 1.5 / (1 + s)), so a spike of 0.85
+    of it is caught at engine −0.02 (w = 1.47; there 5–6 σ of the healthy noise) and not at −0.5 (w = 1; 4 σ, about
+    where the bucket's healthy tail ends). Read from |x| and judged on |x| (before), the first went unseen: the
+    threshold sat where the bucket's least likely tokens end. Healthy rows flagged over 30 steps (7,680 rows):
+    within the false-alarm budget (0.5 per 1,000 rows: ~4)."""
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
+    guard = RolloutGuard(config)
+    generator = torch.Generator().manual_seed(26)
+    flagged = 0
+    for step in range(1, 31):
+        flagged += int(guard.inspect(surprise_scaled_candidates(generator, 256, 64, 0.3), step=step,
+                                     sampling=SETTINGS).suspect.sum())
+    assert flagged <= 4
+    assert guard.calibration.calibrated_flags()[3] and guard.calibration.threshold_values()[4][3] == 1.0
+    centre, threshold = guard.calibration.threshold_values()[0][3], guard.calibration.threshold_values()[2][3]
+    evidence = surprise_scaled_candidates(generator, 8, 64, 0.3)
+    engine, trainer = evidence.engine_logprobs.clone(), evidence.trainer_logprobs.clone()
+    trainer[:2] = engine[:2] - centre  # no noise on the rows that carry a spike
+    for row, at in ((0, -0.02), (1, -0.5)):
+        engine[row, 7] = at
+        trainer[row, 7] = at - centre - 0.85 * threshold
+    report = guard.inspect(RolloutEvidence(evidence.mask, engine, trainer), step=31, sampling=SETTINGS)
+    assert report.suspect.tolist() == [True] + [False] * 7, threshold
 
 
 def test_a_short_row_is_judged_by_its_own_budget_and_a_long_one_too(monkeypatch):

@@ -72,7 +72,8 @@ def mixed_batch(generator: torch.Generator, rows: int = 10, length: int = 150) -
 
 
 CALIBRATED = Thresholds(torch.tensor([0.0, 0.1, 0.3, 0.05]), torch.tensor([0.5, 0.6, 1.0, 0.5]),
-                        torch.tensor([3.0, 3.5, 5.0, 4.0]), torch.tensor([2.5, math.inf, math.inf, math.inf]))
+                        torch.tensor([3.0, 3.5, 5.0, 4.0]), torch.tensor([2.5, math.inf, math.inf, math.inf]),
+                        torch.tensor([1.0, 1.0, 0.0, 1.0]))  # bucket 2 judged in nats, the others by w·|x|
 
 
 def case_mixed_batch(fused, thresholds):
@@ -205,7 +206,7 @@ def case_row_scaling(fused):
 
     config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
     generator = torch.Generator().manual_seed(7)
-    engine = torch.full((4, 150), -0.1)
+    engine = torch.full((4, 150), -0.5)  # where the surprise weight is 1
     trainer = engine - 0.05 * torch.randn(4, 150, generator=generator)
     trainer[0, 5] -= 3.4
     trainer[1, 120] -= 3.4
@@ -226,10 +227,10 @@ def case_joint_drift(fused):
     by two 1.3-nat ones (CUSUM 3.4 + 1.6 = 5.0, under 6) fires it (−0.1 + 0.25 · (5.0 − 6) > −0.4); the token
     alone (CUSUM 3.4) does not, nor does anything with ``joint_margin=None``."""
     config = GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
-    engine = torch.full((3, 80), -0.1)
+    engine = torch.full((3, 80), -0.5)  # where the surprise weight is 1
     trainer = engine - 0.05  # x = 0 around the bucket's centre of 0.05
-    trainer[0, 40], trainer[0, 41:43] = -0.1 - 0.05 - 3.9, -0.1 - 0.05 - 1.3
-    trainer[1, 40] = -0.1 - 0.05 - 3.9
+    trainer[0, 40], trainer[0, 41:43] = -0.5 - 0.05 - 3.9, -0.5 - 0.05 - 1.3
+    trainer[1, 40] = -0.5 - 0.05 - 3.9
     evidence = RolloutEvidence(mask=torch.ones(3, 80, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
     layout, off = PacketLayout(3), GuardConfig(spike_delta=None, mean_delta=None, confident_wrong_tokens=None,
                                                joint_margin=None)
