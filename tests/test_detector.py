@@ -1147,8 +1147,8 @@ def surprise_scaled_candidates(generator: torch.Generator, batch: int, length: i
 def test_a_likely_token_is_held_to_the_spread_of_its_own_surprise():
     """Healthy spread σ (1 + s) in the bucket [−0.5, 0] (σ = 0.3: 0.3 nats at s = 0, 0.45 at its lower edge). The
     calibrated threshold is read from w · |x| (statistics.surprise_weight, here 1.5 / (1 + s)), so a spike of 0.85
-    of it is caught at engine −0.02 (w = 1.47; there 5–6 σ of the healthy noise) and not at −0.5 (w = 1; 4 σ, about
-    where the bucket's healthy tail ends). Read from |x| and judged on |x| (before), the first went unseen: the
+    of it (2.31 nats read here, the spike 1.96) is caught at engine −0.02 (w = 1.47; 6.4 σ of the healthy noise
+    there) and not at −0.5 (w = 1; 4.4 σ, about where the bucket's healthy tail ends). Read from |x| and judged on |x| (before), the first went unseen: the
     threshold sat where the bucket's least likely tokens end. Healthy rows flagged over 30 steps (7,680 rows):
     within the false-alarm budget (0.5 per 1,000 rows: ~4)."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
