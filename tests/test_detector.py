@@ -1107,6 +1107,12 @@ def test_a_checkpoint_from_before_the_kept_unlikely_memory_counts_its_tokens_as_
     assert restored.threshold_values() == calibration.threshold_values()
 
 
+def flagged_while_calibrating(guard: RolloutGuard, healthy, steps: int = 30) -> int:
+    """Healthy rows ``guard`` flags while it judges ``healthy()``'s batches at steps 1 … ``steps``, told SETTINGS."""
+    return sum(int(guard.inspect(healthy(), step=step, sampling=SETTINGS).suspect.sum())
+               for step in range(1, steps + 1))
+
+
 def symmetric_candidates(generator: torch.Generator, batch: int, length: int, sigma: float) -> RolloutEvidence:
     """Healthy rows in the bucket [−3, −1.5) (every token a candidate), d ~ N(0, σ²) on both sides; at its lower
     edge, where the surprise weight is 1 (rollout_guard.statistics.surprise_weight), so thresholds read in nats."""
@@ -1124,10 +1130,7 @@ def test_a_light_tailed_bucket_reads_its_spike_threshold_near_its_data():
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(24)
-    flagged = 0
-    for step in range(1, 31):
-        flagged += int(guard.inspect(symmetric_candidates(generator, 256, 64, 0.35), step=step,
-                                     sampling=SETTINGS).suspect.sum())
+    flagged = flagged_while_calibrating(guard, lambda: symmetric_candidates(generator, 256, 64, 0.35))
     threshold = guard.calibration.threshold_values()[2][1]
     assert flagged <= 4
     assert 4.6 * 0.35 < threshold < 1.95, threshold
@@ -1148,16 +1151,13 @@ def test_a_likely_token_is_held_to_the_spread_of_its_own_surprise():
     """Healthy spread σ (1 + s) in the bucket [−0.5, 0] (σ = 0.3: 0.3 nats at s = 0, 0.45 at its lower edge). The
     calibrated threshold is read from w · |x| (statistics.surprise_weight, here 1.5 / (1 + s)), so a spike of 0.85
     of it (2.31 nats read here, the spike 1.96) is caught at engine −0.02 (w = 1.47; 6.4 σ of the healthy noise
-    there) and not at −0.5 (w = 1; 4.4 σ, about where the bucket's healthy tail ends). Read from |x| and judged on |x| (before), the first went unseen: the
-    threshold sat where the bucket's least likely tokens end. Healthy rows flagged over 30 steps (7,680 rows):
-    within the false-alarm budget (0.5 per 1,000 rows: ~4)."""
+    there) and not at −0.5 (w = 1; 4.4 σ, about where the bucket's healthy tail ends). Read from |x| and judged on
+    |x| (before), the first went unseen: the threshold sat where the bucket's least likely tokens end. Healthy rows
+    flagged over 30 steps (7,680 rows): within the false-alarm budget (0.5 per 1,000 rows: ~4)."""
     config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(26)
-    flagged = 0
-    for step in range(1, 31):
-        flagged += int(guard.inspect(surprise_scaled_candidates(generator, 256, 64, 0.3), step=step,
-                                     sampling=SETTINGS).suspect.sum())
+    flagged = flagged_while_calibrating(guard, lambda: surprise_scaled_candidates(generator, 256, 64, 0.3))
     assert flagged <= 4
     assert guard.calibration.calibrated_flags()[3] and guard.calibration.threshold_values()[4][3] == 1.0
     centre, threshold = guard.calibration.threshold_values()[0][3], guard.calibration.threshold_values()[2][3]
