@@ -90,9 +90,11 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 @functools.cache
 def _edges_on(which: str, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """The bucket and histogram edges on a device, copied once (a copy per step would be a host sync each)."""
-    values = {"engine": torch.tensor(ENGINE_BUCKET_EDGES, dtype=torch.float64), "delta": DELTA_BIN_EDGES,
-              "excess": torch.tensor(EXCESS_EDGES, dtype=torch.float64)}[which]
+    """The bucket and histogram edges on a device, copied once (a copy per step would be a host sync each), and
+    each engine bucket's surprise at its lower logprob edge (``"surprise"``: 3, 3, 1.5, 0.5 nats)."""
+    engine = torch.tensor(ENGINE_BUCKET_EDGES, dtype=torch.float64)
+    values = {"engine": engine, "delta": DELTA_BIN_EDGES, "excess": torch.tensor(EXCESS_EDGES, dtype=torch.float64),
+              "surprise": torch.cat([engine[:1], engine]).neg()}[which]
     return to_device(values.to(dtype), device)
 
 
@@ -141,8 +143,7 @@ def surprise_weight(engine: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
     >>> [round(v, 3) for v in surprise_weight(engine, bucket)[0].tolist()]
     [1.0, 1.0, 1.538, 1.0, 1.0, 1.485, 1.0]
     """
-    edges = _edges_on("engine", torch.float32, str(engine.device))
-    lower = torch.cat([edges[:1], edges]).neg()  # each bucket's highest surprise: 3, 3, 1.5, 0.5 nats
+    lower = _edges_on("surprise", torch.float32, str(engine.device))  # each bucket's highest surprise
     surprise = engine.float().neg().clamp(min=0.0, max=float(-ENGINE_BUCKET_EDGES[0]))
     weight = (1.0 + lower[bucket]) / (1.0 + surprise)
     return torch.where(torch.isfinite(engine), weight, torch.ones_like(weight))
