@@ -87,8 +87,8 @@ def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
 Noise = Callable[[Rollouts], Rollouts]
 
 
-def conditions(table, seed: int, step_rows: int, same_support: bool = False,
-               stitch: int = 1) -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
+def conditions(table, seed: int, step_rows: int, same_support: bool = False, stitch: int = 1,
+               noise_shape: str = "surprise") -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
     """(name, clean base rollouts, real faulty rollouts by fault, noise applied on top, noise parameters) per noise
     condition. The noise goes on top of faulty rows too (after the fault): an engine that reads stale state still
     returns processed logprobs, and a run's numeric noise does not stop at a corrupted sample. ``same_support``:
@@ -147,6 +147,7 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False,
                      for index, part in enumerate(pooled_clean)])
         real = {name: cat(parts) for name, parts in pooled_faults.items()}
         for profile in (noise.DENSE_7B, noise.HYBRID_7B):
+            profile = noise.shaped(profile, noise_shape)
             fitted = noise.fit_heavy_tail(clean, generator, profile, step_rows)
             apply = functools.partial(noise.heavy_tail, generator=generator, fitted=fitted)
             achieved = noise.describe(apply(clean))
@@ -274,6 +275,9 @@ def main(
     announce_sampling: bool = typer.Option(True, help="tell the guard each step's sampling setting, as the TRL adapter "
                                            "does (a change restarts its calibration); off: the pooled streams change "
                                            "setting unannounced, like a policy whose entropy jumps"),
+    noise_shape: str = typer.Option("surprise", help="the tail models' broad part, fitted to the same published "
+                                    "figures: 'surprise' (its spread grows with a token's surprise), 'flat' (the same "
+                                    "on every token) or 'softmax' (1 − p: quiet where the engine is sure)"),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
     out: Path = typer.Option(REPO / "runs" / "fidelity",
@@ -286,13 +290,16 @@ def main(
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file: generate the data (benchmarks/fidelity_data/README.md)")
     config = with_overrides(preset(preset_name), overrides)
+    if noise_shape not in noise.SHAPES:
+        raise typer.BadParameter(f"--noise-shape {noise_shape!r}: use one of {', '.join(noise.SHAPES)}")
     started = time.perf_counter()
     table = read_tables(paths)
     generator = torch.Generator().manual_seed(seed)
     results, judged_all = [], []
     if stitch > 1:
         step_rows = max(step_rows // stitch, 8)
-    for name, clean, real_faults, apply, params in conditions(table, seed, step_rows, same_support, stitch):
+    for name, clean, real_faults, apply, params in conditions(table, seed, step_rows, same_support, stitch,
+                                                              noise_shape):
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
@@ -312,7 +319,7 @@ def main(
     summary = {
         "preset": preset_name, "overrides": overrides, "config": config.to_dict(), "data": [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in paths],
         "rows": table.num_rows, "faults_per_condition": faults_per_condition, "step_rows": step_rows, "stitch": stitch,
-        "fault_share": fault_share, "warmup_steps": warmup_steps,
+        "fault_share": fault_share, "warmup_steps": warmup_steps, "noise_shape": noise_shape,
         "dense_phase2": dense_phase2, "mask_truncated": mask_truncated, "announce_sampling": announce_sampling,
         "same_support": same_support,
         "seed": seed,

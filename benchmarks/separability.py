@@ -55,6 +55,7 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity import DEFAULT_DATA, REPO, conditions, synthetic_faults  # noqa: E402
+from benchmarks.fidelity_kit import noise  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, wilson  # noqa: E402
 
@@ -284,7 +285,8 @@ def same_draws(run: dict, path: Path, **bound: object) -> None:
     ...     print(error)  # doctest: +ELLIPSIS
     --guard-results r.json was run with seed=1, this bound with seed=0: pass --seed 1, or a guard run made with ...
     """
-    recorded = {**run, "same_support": run.get("same_support") or False}
+    recorded = {**run, "same_support": run.get("same_support") or False,
+                "noise_shape": run.get("noise_shape", "surprise")}  # a run from before --noise-shape: the tail models
     if "data" in run:
         recorded["data"] = [str(REPO / p) if not Path(p).is_absolute() else p for p in run["data"]]
         bound["data"] = [str(Path(p).resolve()) for p in bound.get("data", [])]
@@ -322,11 +324,15 @@ def main(
                                       "engine's bins and the sign only, as the guard buckets (separability-engine.*)"),
     same_support: bool = typer.Option(False, help="the trainer on the engine's support, as benchmarks/fidelity.py "
                                       "--same-support (separability-support.*)"),
+    noise_shape: str = typer.Option("surprise", help="as benchmarks/fidelity.py --noise-shape (another than "
+                                    "'surprise': separability*-<shape>.*)"),
 ) -> None:
     paths = sorted(glob.glob(data))
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file: generate the data "
                                  "(benchmarks/fidelity_data/README.md)")
+    if noise_shape not in noise.SHAPES:
+        raise typer.BadParameter(f"--noise-shape {noise_shape!r}: use one of {', '.join(noise.SHAPES)}")
     guard = {}
     if guard_results.exists():
         run = json.loads(guard_results.read_text())
@@ -334,7 +340,7 @@ def main(
             raise typer.BadParameter(f"--guard-results {guard_results} was run with --stitch {run['stitch']}: the "
                                      "bound scores the data's own rows; pass a guard run made without --stitch")
         same_draws(run, guard_results, faults_per_condition=faults_per_condition, step_rows=step_rows, seed=seed,
-                   same_support=same_support, data=paths)
+                   same_support=same_support, data=paths, noise_shape=noise_shape)
         guard = {r["condition"]: r["figures"] for r in run["results"]}
     started = time.perf_counter()
     table = read_tables(paths)
@@ -346,7 +352,8 @@ def main(
     guard_points: dict[str, tuple[float, float]] = {}  # the guard's (false rate, recall) there
     held_out: dict[str, dict[str, dict[str, int]]] = {}  # cross-fitted counts per condition and fault
     halves = torch.Generator().manual_seed(10_000 + seed)  # the split, apart from the faults' draws
-    for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows, same_support):
+    for name, clean, real_faults, apply, _ in conditions(table, seed, step_rows, same_support,
+                                                         noise_shape=noise_shape):
         sources: dict[str, torch.Tensor] = {}
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator, sources), **real_faults}.items()}
@@ -389,7 +396,8 @@ def main(
             row.append(cell)
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     out.mkdir(parents=True, exist_ok=True)
-    stem = ("separability" if trainer_bins else "separability-engine") + ("-support" if same_support else "")
+    stem = (("separability" if trainer_bins else "separability-engine") + ("-support" if same_support else "")
+            + ("" if noise_shape == "surprise" else f"-{noise_shape}"))
     (out / f"{stem}.json").write_text(json.dumps({"seed": seed, "faults_per_condition": faults_per_condition,
                                                   "goal_false_rate": GOAL_FALSE_RATE, "bound": bound,
                                                   "in_sample": optimistic, "false_at_goal": price,

@@ -79,3 +79,57 @@ def test_same_support_renormalises_the_trainer_by_the_engines_kept_mass():
     before = (engine - trainer)[mask]
     assert float(((flat.engine - flat.trainer)[mask] - before).abs().max()) < 0.1  # its kept mass cancels, up to the error
     assert float(((offset.engine - offset.trainer)[mask] - before).min()) > 0.9  # −log m ≥ −log 0.4
+
+
+def _rows_at(levels: list[float], per_level: int = 20_000):
+    """Clean rows whose engine and trainer agree exactly, ``per_level`` tokens at each engine logprob of ``levels``
+    (one row per level, all above −3 nats: the tail models' rare large tail stays off)."""
+    import torch
+
+    from benchmarks.fidelity_kit.rollouts import Rollouts
+
+    engine = torch.tensor(levels).unsqueeze(1).expand(len(levels), per_level).clone()
+    return Rollouts(mask=torch.ones_like(engine, dtype=torch.bool), engine=engine, trainer=engine.clone(),
+                    truncated=torch.zeros(len(levels), dtype=torch.bool),
+                    step=torch.zeros(len(levels), dtype=torch.long))
+
+
+@pytest.mark.parametrize("shape", ["surprise", "flat", "softmax"])
+def test_each_noise_shape_reaches_the_published_mean_with_its_spread_where_it_says(shape):
+    """``--noise-shape``: the hybrid-7B model's broad part, fitted to the published mean |Δ| of 0.40 nats in every
+    shape, spreads as its scale says: ``surprise`` 1 + s, ``flat`` the same everywhere, ``softmax`` 1 − p (nothing on
+    a token the engine is sure of). Fails if a shape's scale is not the one applied, or the fit ignores it."""
+    import torch
+
+    from benchmarks.fidelity_kit import noise
+
+    rows = _rows_at([-1.5, -2.2, -2.9])  # far enough below 0 nats that the trainer is not clamped there
+    profile = noise.shaped(noise.HYBRID_7B, shape)
+    assert profile.name == ("tail_hybrid7b" if shape == "surprise" else f"{shape}_hybrid7b")
+    fitted = noise.fit_heavy_tail(rows, torch.Generator().manual_seed(0), profile, step_rows=3)
+    moved = noise.heavy_tail(rows, torch.Generator().manual_seed(1), fitted)
+    assert noise.describe(moved)["mean_abs_delta"] == pytest.approx(0.40, rel=0.03)
+    spread = (moved.engine - moved.trainer).std(dim=1) / fitted["sigma0"]  # per engine level, in units of σ0
+    torch.testing.assert_close(spread, noise.SHAPES[shape](torch.tensor([1.5, 2.2, 2.9])), rtol=0.03, atol=0.0)
+    sure = noise.heavy_tail(_rows_at([-1e-9]), torch.Generator().manual_seed(2), fitted)
+    shift = (sure.engine - sure.trainer).abs()  # its trainer cannot pass 0 nats: only shifts down show
+    if shape == "softmax":
+        assert float(shift.max()) < 1e-6  # nothing on a token the engine is sure of
+    else:
+        assert float(shift.mean()) > 0.2 * fitted["sigma0"]
+
+
+def test_an_unknown_noise_shape_is_refused_before_reading_data(tmp_path, monkeypatch):
+    from benchmarks.fidelity_kit import noise
+
+    with pytest.raises(ValueError, match="noise shape 'gaussian'"):
+        noise.shaped(noise.DENSE_7B, "gaussian")
+
+    def unread(paths):
+        raise AssertionError("data read before the --noise-shape check")
+
+    monkeypatch.setattr(fidelity, "read_tables", unread)
+    result = CliRunner().invoke(app, ["--noise-shape", "gaussian", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "--noise-shape 'gaussian'" in " ".join(result.output.split()) and "softmax" in result.output
+    assert not (tmp_path / "out").exists()

@@ -102,6 +102,7 @@ def _guard_run(tmp_path, **fields):
     ({"step_rows": 128}, "--step-rows 128"),
     ({"same_support": False}, "--no-same-support"),
     ({"same_support": None}, "--no-same-support"),  # written before the option existed: the full vocabulary
+    ({"noise_shape": "softmax"}, "--noise-shape softmax"),
     ({"data": ["benchmarks/fidelity_data/h200-llama_clean_0.parquet"]}, "other data"),
 ])
 def test_a_guard_run_with_other_draws_is_refused_before_the_data_is_read(tmp_path, monkeypatch, fields, named):

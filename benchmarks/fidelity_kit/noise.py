@@ -13,10 +13,14 @@ the result matches published figures of healthy runs. Sources:
   token (the log of the probability mass outside the top 5).
 
 Model (``d = engine − trainer``, nats): a broad part, Gaussian with a scale that grows with the token's surprise,
-``σ0 · (1 + surprise)``, ``surprise = −engine logprob``, with σ0 fitted to the fraction (dense) or the mean
-(hybrid) above; and a rare tail on tokens both sides find unlikely (engine logprob < −3), ±LogUniform(1, max)
-nats (kept below −3 nats for the trainer too: both sides find such a token unlikely), with its rate fitted so that
-a step of the benchmark's size reaches the published per-step max about once. Non-finite logprobs stay as they are.
+``σ0 · (1 + surprise)``, ``surprise = −engine logprob`` (other shapes, :data:`SHAPES`, fitted to the same figures:
+``flat``, ``σ0`` on every token; ``softmax``, ``σ0 · (1 − p)`` with ``p`` the engine's probability of the token: a
+log-softmax under independent logit errors of sd σ0 moves by sd σ0 · √((1 − p)² + Σ_{j≠i} p_j²), about σ0 · (1 − p)
+where the rest of the mass is spread thin; quiet on confident tokens, flat on unlikely ones), with σ0 fitted to the
+fraction (dense) or the mean (hybrid) above; and a rare tail on tokens both sides find unlikely (engine logprob < −3),
+±LogUniform(1, max) nats (kept below −3 nats for the trainer too: both sides find such a token unlikely), with its
+rate fitted so that a step of the benchmark's size reaches the published per-step max about once. Non-finite
+logprobs stay as they are.
 """
 
 from __future__ import annotations
@@ -39,11 +43,30 @@ class TailProfile:
     tail_max: float  # nats, the largest healthy |Δ|
     tail_reach: float  # nats, the per-step max the tail should reach about once per step
     source: str
+    shape: str = "surprise"  # how the broad part's scale follows the token's surprise: a key of SHAPES
 
 
 DENSE_7B = TailProfile("tail_dense7b", 0.075, None, 13.2, 10.6,
                        "open-instruct hybrid-rl-logprobs.md (dense 7B), TRL #6789")
 HYBRID_7B = TailProfile("tail_hybrid7b", None, 0.40, 18.0, 15.0, "open-instruct hybrid-rl-logprobs.md (hybrid 7B)")
+
+
+SHAPES = {
+    "surprise": lambda surprise: 1 + surprise,  # grows with the surprise: the large |Δ| on the unlikely tokens
+    "flat": torch.ones_like,  # the same on every token: a flat, high-entropy policy (benchmarks/flat_noise.py)
+    "softmax": lambda surprise: -torch.expm1(-surprise),  # 1 − p: quiet where the engine is sure, flat where not
+}
+"""The broad part's scale per token, a multiple of σ0, from the token's surprise (−engine logprob, ≥ 0)."""
+
+
+def shaped(profile: TailProfile, shape: str) -> TailProfile:
+    """The profile with its broad part's scale in another shape of :data:`SHAPES` (fitted to the same published
+    figure), named ``<shape>_…`` instead of ``tail_…`` (the benchmark's ``--noise-shape``; ``surprise``: as it
+    is)."""
+    if shape not in SHAPES:
+        raise ValueError(f"noise shape {shape!r}: use one of {', '.join(SHAPES)}")
+    return profile if shape == "surprise" else replace(profile, name=profile.name.replace("tail_", f"{shape}_"),
+                                                        shape=shape)
 
 
 def _bisect(function, low: float, high: float, target: float, iterations: int = 30) -> float:
@@ -67,9 +90,10 @@ def fit_heavy_tail(clean: Rollouts, generator: torch.Generator, profile: TailPro
     else:
         surprise, base = (-clean.engine).clamp(min=0.0), clean.engine - clean.trainer
     normal = torch.randn(mask.shape, generator=generator)
+    scale = SHAPES[profile.shape](surprise)
 
     def with_sigma(sigma: float) -> torch.Tensor:
-        return base + sigma * (1 + surprise) * normal
+        return base + sigma * scale * normal
 
     if profile.target_fraction_above_0105 is not None:
         sigma = _bisect(lambda s: float((with_sigma(s).abs() > 0.105)[mask].float().mean()), 1e-5, 5.0,
@@ -82,16 +106,17 @@ def fit_heavy_tail(clean: Rollouts, generator: torch.Generator, profile: TailPro
     unlikely_share = float(unlikely.sum()) / max(float(mask.sum()), 1.0)
     p_above_reach = math.log(profile.tail_max / profile.tail_reach) / math.log(profile.tail_max)
     rate = min(1.0, 1.0 / max(tokens_per_step * unlikely_share * p_above_reach, 1e-9))
-    return {"sigma0": sigma, "tail_rate": rate, "tail_max": profile.tail_max}
+    return {"sigma0": sigma, "tail_rate": rate, "tail_max": profile.tail_max, "shape": profile.shape}
 
 
 def heavy_tail(rollouts: Rollouts, generator: torch.Generator, fitted: dict) -> Rollouts:
     """Rollouts plus healthy mismatch with the fitted parameters: the trainer's logprob moves by the broad part
-    on every token and by ±LogUniform(1, tail_max) nats on a rare token both sides find unlikely."""
+    on every token (σ0 times the fit's :data:`SHAPES` scale, ``1 + surprise`` unless said) and by
+    ±LogUniform(1, tail_max) nats on a rare token both sides find unlikely."""
     mask = rollouts.mask
     surprise = (-rollouts.engine).clamp(min=0.0)
     normal = torch.randn(mask.shape, generator=generator)
-    shift = fitted["sigma0"] * (1 + surprise) * normal
+    shift = fitted["sigma0"] * SHAPES[fitted.get("shape", "surprise")](surprise) * normal
     hit = mask & (rollouts.engine < UNLIKELY) & (torch.rand(mask.shape, generator=generator) < fitted["tail_rate"])
     size = torch.exp(torch.rand(mask.shape, generator=generator) * math.log(fitted["tail_max"]))
     sign = torch.where(torch.rand(mask.shape, generator=generator) < 0.5, -1.0, 1.0)
