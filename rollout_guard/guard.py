@@ -375,8 +375,13 @@ class RolloutGuard:
         metrics = {"calibrated_buckets": float(sum(self.calibration.calibrated_flags())),
                    "calibration_resets": float(self.calibration_resets),
                    "calibration/drift_threshold": drift if drift is not None else math.nan}
+        # the spread of the run's own mismatch by the engine's confidence (where its noise lives: the fidelity
+        # benchmark's --noise-shape); NaN until a bucket's centre is set
+        spread = [math.sqrt(v) if own else math.nan
+                  for v, own in zip(self.calibration.variance.tolist(), self.calibration.centred_flags(), strict=True)]
         for bucket in range(NUM_ENGINE_BUCKETS):
             metrics[f"calibration/centre_b{bucket}"] = centre[bucket]
+            metrics[f"calibration/spread_b{bucket}"] = spread[bucket]
             metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
         # the other buckets have (almost) no such tokens; NaN while they are not judged (+inf): a metric with no data
         metrics["calibration/unlikely_spike_b0"] = unlikely[0] if math.isfinite(unlikely[0]) else math.nan

@@ -1224,3 +1224,25 @@ def test_an_uncalibrated_spike_threshold_rises_with_the_length_of_the_rows(lengt
     report = RolloutGuard(config).inspect(RolloutEvidence(torch.ones(32, length, dtype=torch.long), engine, trainer),
                                           step=1, sampling=SETTINGS)
     assert bool(report.suspect.all()) is fires and bool(report.suspect.any()) is fires
+
+
+def test_the_spread_metric_shows_where_the_runs_noise_lives():
+    """``calibration/spread_b<k>``: the sd of the kept tokens' d around their bucket's centre, per engine bucket —
+    a quiet bucket of sure tokens (σ = 0.05 nats) and a noisy one of unlikely tokens (σ = 0.5) read as such, the
+    buckets without tokens NaN, and every bucket NaN before its centre is set (fewer than 2,000 kept tokens). Fails
+    if the metric reads another bucket's spread, or the variance not its root."""
+    guard = RolloutGuard(GuardConfig(**ONLY_DETECTOR))
+    generator = torch.Generator().manual_seed(21)
+    for step, rows in enumerate([16, 64, 64, 64, 64], start=1):  # 512 tokens per bucket first: no centre yet
+        engine = torch.cat([torch.full((rows, 32), -0.2), torch.full((rows, 32), -2.0)], dim=1)  # buckets 3 and 1
+        sigma = torch.cat([torch.full((rows, 32), 0.05), torch.full((rows, 32), 0.5)], dim=1)
+        trainer = engine - sigma * torch.randn(engine.shape, generator=generator)
+        report = guard.inspect(RolloutEvidence(mask=torch.ones_like(engine, dtype=torch.long), engine_logprobs=engine,
+                                               trainer_logprobs=trainer.clamp(max=-0.01)), step=step,
+                               sampling=SETTINGS)
+        if step == 1:
+            assert all(math.isnan(report.metrics[f"calibration/spread_b{k}"]) for k in range(4))
+    metrics = report.metrics
+    assert metrics["calibration/spread_b3"] == pytest.approx(0.05, rel=0.1)
+    assert metrics["calibration/spread_b1"] == pytest.approx(0.5, rel=0.1)
+    assert math.isnan(metrics["calibration/spread_b0"]) and math.isnan(metrics["calibration/spread_b2"])
