@@ -84,6 +84,14 @@ def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
         raise typer.BadParameter(f"--set: {error}") from None
 
 
+def checked_noise_shape(shape: str) -> str:
+    """``--noise-shape``'s value (a key of ``noise.SHAPES``), or a one-line refusal naming the option, before any data
+    is read (``fidelity.py`` and ``separability.py`` alike)."""
+    if shape not in noise.SHAPES:
+        raise typer.BadParameter(f"--noise-shape {shape!r}: use one of {', '.join(noise.SHAPES)}")
+    return shape
+
+
 Noise = Callable[[Rollouts], Rollouts]
 
 
@@ -290,8 +298,7 @@ def main(
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file: generate the data (benchmarks/fidelity_data/README.md)")
     config = with_overrides(preset(preset_name), overrides)
-    if noise_shape not in noise.SHAPES:
-        raise typer.BadParameter(f"--noise-shape {noise_shape!r}: use one of {', '.join(noise.SHAPES)}")
+    checked_noise_shape(noise_shape)
     started = time.perf_counter()
     table = read_tables(paths)
     generator = torch.Generator().manual_seed(seed)

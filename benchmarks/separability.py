@@ -54,8 +54,7 @@ import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fidelity import DEFAULT_DATA, REPO, conditions, synthetic_faults  # noqa: E402
-from benchmarks.fidelity_kit import noise  # noqa: E402
+from benchmarks.fidelity import DEFAULT_DATA, REPO, checked_noise_shape, conditions, synthetic_faults  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, wilson  # noqa: E402
 
@@ -331,8 +330,7 @@ def main(
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file: generate the data "
                                  "(benchmarks/fidelity_data/README.md)")
-    if noise_shape not in noise.SHAPES:
-        raise typer.BadParameter(f"--noise-shape {noise_shape!r}: use one of {', '.join(noise.SHAPES)}")
+    checked_noise_shape(noise_shape)
     guard = {}
     if guard_results.exists():
         run = json.loads(guard_results.read_text())
