@@ -35,7 +35,15 @@ promised shape. The dense-7B model's broad part is ~0 (σ0 1e−5: the measured 
 published share), so there the noise is the measured one, whose shape has no closed form: those conditions are
 not scored.
 
+Two options take knowledge away from the test (twenty-eighth session). ``--noise learned``: instead of σ0 and the
+model's shape, each 0.25-nat engine bin's mean and sd, read from the fit half's *noisy* clean rows
+(:func:`learned_noise`, |x| read at most 4 nats) — what a guard could read from its own kept tokens; the test
+still assumes the Gaussian. With it ``--noise-shape flat|softmax`` (``fidelity.py``'s) can be scored too.
+``--lag generic``: a lag profile not the fault's — gaps uniform on [0.1, D] instead of U², D ~ U(1, 10) instead
+of U(2, 8).
+
     python benchmarks/likelihood_bound.py --same-support     # runs/fidelity/likelihood-bound.{json,md}
+    python benchmarks/likelihood_bound.py --same-support --noise learned --lag generic   # …-learned-generic.*
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,9 +62,9 @@ import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fidelity import DEFAULT_DATA, REPO, conditions  # noqa: E402
+from benchmarks.fidelity import DEFAULT_DATA, REPO, checked_noise_shape, conditions  # noqa: E402
 from benchmarks.fidelity_kit import zoo  # noqa: E402
-from benchmarks.fidelity_kit.noise import UNLIKELY  # noqa: E402
+from benchmarks.fidelity_kit.noise import HYBRID_7B, UNLIKELY, shaped  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, wilson  # noqa: E402
 
@@ -65,6 +74,8 @@ U_NODES = torch.tensor((_NODES + 1) / 2, dtype=torch.float64)  # Gauss–Legendr
 U_LOG_WEIGHTS = torch.log(torch.tensor(_WEIGHTS / 2, dtype=torch.float64))
 CLAMP = -1e-5  # a trainer logprob above this was clamped by the noise model (at −1e−6)
 BIN_EDGES = torch.linspace(-12.0, 0.0, 49, dtype=torch.float64)  # engine-logprob bins of the measured mismatch
+LEARNED_EDGES = torch.linspace(UNLIKELY, 0.0, 13, dtype=torch.float64)  # 0.25-nat bins over the judged tokens
+LEARNED_CLIP = 4.0  # nats: |x| read by learned_noise at most (a rare large token does not set a bin's sd)
 
 app = typer.Typer(add_completion=False)
 
@@ -91,29 +102,50 @@ def token_log_density(x: torch.Tensor, engine: torch.Tensor, sd: torch.Tensor, c
     return torch.where(censored, torch.special.log_ndtr((engine - gap) / sd), _log_normal(x - gap, sd))
 
 
+class Lag(NamedTuple):
+    """The fault's lag as the test states it: a token after the onset lags by g = 0.1 + (D − 0.1) U^power,
+    U ~ U(0, 1), the onset's own token by D, the row's worst; D equally likely at each value of ``worst`` (nats)."""
+    power: float
+    worst: torch.Tensor
+
+
+LAGS = {
+    "fault": Lag(2.0, WORST),  # zoo.late_onset's own: U², D ~ U(2, 8)
+    "generic": Lag(1.0, torch.linspace(1.0, 10.0, 25, dtype=torch.float64)[:-1] + 0.1875),  # U, D ~ U(1, 10)
+}
+
+
 def fault_log_density(x: torch.Tensor, engine: torch.Tensor, sigma: torch.Tensor, censored: torch.Tensor,
-                      worst: torch.Tensor = WORST) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token and worst gap D, the log density of ``x`` under ``zoo.late_onset``'s lag plus the noise:
-    a token after the onset (gap g = 0.1 + (D − 0.1)U², U ~ U(0, 1), integrated by quadrature) and the onset's
-    own token (g = D).
+                      lag: Lag = LAGS["fault"],
+                      centre: torch.Tensor | float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and worst gap D, the log density of ``x`` under the lag plus the noise (sd ``sigma`` around
+    ``centre``): a token after the onset (gap g = 0.1 + (D − 0.1)U^p, U ~ U(0, 1), integrated by quadrature) and
+    the onset's own token (g = D). ``zoo.late_onset``'s lag is p = 2 (``LAGS["fault"]``).
 
-    .. math:: f_D(x) = \\int_0^1 \\varphi_\\sigma\\big(x - 0.1 - (D - 0.1)u^2\\big)\\,du, \\qquad
-              f_D^{\\text{first}}(x) = \\varphi_\\sigma(x - D)
+    .. math:: f_D(x) = \\int_0^1 \\varphi_\\sigma\\big(x - c - 0.1 - (D - 0.1)u^p\\big)\\,du, \\qquad
+              f_D^{\\text{first}}(x) = \\varphi_\\sigma(x - c - D)
 
-    Args: ``x``, ``engine``, ``sigma``, ``censored``: (B, T); ``worst``: (K,). Returns two (B, T, K).
+    Args: ``x``, ``engine``, ``sigma``, ``censored``, ``centre``: (B, T) (``centre`` or a number); ``lag.worst``:
+    (K,). Returns two (B, T, K).
 
     >>> later, first = fault_log_density(torch.tensor([[3.0]]), torch.tensor([[-1.0]]), torch.tensor([[0.3]]),
-    ...                                  torch.tensor([[False]]), torch.tensor([3.0]))
+    ...                                  torch.tensor([[False]]), Lag(2.0, torch.tensor([3.0])))
     >>> round(float(first), 3) == round(math.log(1 / (0.3 * math.sqrt(2 * math.pi))), 3)  # x = D: the mode
     True
     >>> bool(later < first)  # a later token's gap is mostly far below D
     True
+    >>> shifted, _ = fault_log_density(torch.tensor([[3.5]]), torch.tensor([[-1.0]]), torch.tensor([[0.3]]),
+    ...                                torch.tensor([[False]]), Lag(2.0, torch.tensor([3.0])), centre=0.5)
+    >>> bool(torch.isclose(shifted, later))  # the same lag around a centre of 0.5 nats
+    True
     """
-    gap = 0.1 + (worst[:, None] - 0.1) * U_NODES[None, :] ** 2  # (K, Q)
+    centre = torch.as_tensor(centre, dtype=x.dtype)
+    gap = 0.1 + (lag.worst[:, None] - 0.1) * U_NODES[None, :] ** lag.power  # (K, Q)
     later = token_log_density(x[..., None, None], engine[..., None, None], sigma[..., None, None],
-                              censored[..., None, None], gap)
+                              censored[..., None, None], gap + centre[..., None, None])
     later = torch.logsumexp(later + U_LOG_WEIGHTS, dim=-1)
-    first = token_log_density(x[..., None], engine[..., None], sigma[..., None], censored[..., None], worst)
+    first = token_log_density(x[..., None], engine[..., None], sigma[..., None], censored[..., None],
+                              lag.worst + centre[..., None])
     return later, first
 
 
@@ -151,11 +183,34 @@ def measured_mismatch(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, (second - mean * mean).clamp(min=1e-8).sqrt()
 
 
-def row_log_lr(rows: Rollouts, base: tuple[torch.Tensor, torch.Tensor], sigma0: float,
-               chunk: int = 128) -> torch.Tensor:
-    """(B,) ``ln Λ`` of noisy rows (the module's formula): clean f0 = measured mismatch (``base``, from clean
-    rows before the model's noise) plus the Gaussian broad part σ0(1 + |e|); tokens the engine put below −3
-    nats are not judged."""
+def learned_noise(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and sd (nats) of noisy clean ``clip(engine − trainer, ±LEARNED_CLIP)`` per 0.25-nat engine-logprob bin
+    of the judged range (:data:`LEARNED_EDGES`): the whole noise as a guard could read it from its own kept
+    tokens, with no σ0 and no shape of the model but the Gaussian the test assumes.
+
+    >>> e = torch.tensor([[-0.1, -0.1, -2.9, -2.9]]); t = e - torch.tensor([[0.1, 0.3, -1.0, 9.0]])
+    >>> rows = Rollouts(mask=torch.ones(1, 4, dtype=torch.bool), engine=e, trainer=t,
+    ...                 truncated=torch.zeros(1, dtype=torch.bool), step=torch.zeros(1, dtype=torch.long))
+    >>> mean, sd = learned_noise(rows)
+    >>> [round(float(v), 3) for v in (mean[12], sd[12], mean[1], sd[1])]  # bins (−0.25, 0] and (−3, −2.75]: 9 read as 4
+    [0.2, 0.1, 1.5, 2.5]
+    """
+    ok = rows.mask & torch.isfinite(rows.engine) & torch.isfinite(rows.trainer)
+    engine = rows.engine[ok].double()
+    x = (rows.engine - rows.trainer)[ok].double().clamp(-LEARNED_CLIP, LEARNED_CLIP)
+    index = torch.bucketize(engine, LEARNED_EDGES)
+    count = torch.bincount(index, minlength=len(LEARNED_EDGES) + 1).double().clamp(min=1)
+    mean = torch.bincount(index, weights=x, minlength=len(LEARNED_EDGES) + 1) / count
+    second = torch.bincount(index, weights=x * x, minlength=len(LEARNED_EDGES) + 1) / count
+    return mean, (second - mean * mean).clamp(min=1e-8).sqrt()
+
+
+def row_log_lr(rows: Rollouts, base: tuple[torch.Tensor, torch.Tensor], sigma0: float | None,
+               lag: Lag = LAGS["fault"], chunk: int = 128) -> torch.Tensor:
+    """(B,) ``ln Λ`` of noisy rows (the module's formula) for the fault's ``lag``: clean f0 = measured mismatch
+    (``base``, from clean rows before the model's noise) plus the Gaussian broad part σ0(1 + |e|); with ``sigma0``
+    None, ``base`` is the whole noise (:func:`learned_noise`, read from noisy clean rows) around which the fault
+    lags too. Tokens the engine put below −3 nats are not judged."""
     mean, spread = base
     out = []
     for start in range(0, len(rows), chunk):
@@ -165,10 +220,15 @@ def row_log_lr(rows: Rollouts, base: tuple[torch.Tensor, torch.Tensor], sigma0: 
         engine = torch.where(ok, engine, torch.full_like(engine, -1.0))
         trainer = torch.where(ok, trainer, torch.full_like(trainer, -1.0))
         x, censored = engine - trainer, trainer > CLAMP
-        sigma = sigma0 * (1 + (-engine).clamp(min=0))
-        index = torch.bucketize(engine, BIN_EDGES)
-        clean = token_log_density(x, engine, (sigma ** 2 + spread[index] ** 2).sqrt(), censored, mean[index])
-        later, first = fault_log_density(x, engine, sigma, censored)
+        if sigma0 is None:
+            index = torch.bucketize(engine, LEARNED_EDGES)
+            sigma, centre = spread[index], mean[index]
+            clean = token_log_density(x, engine, sigma, censored, centre)
+        else:
+            sigma, centre = sigma0 * (1 + (-engine).clamp(min=0)), 0.0
+            index = torch.bucketize(engine, BIN_EDGES)
+            clean = token_log_density(x, engine, (sigma ** 2 + spread[index] ** 2).sqrt(), censored, mean[index])
+        later, first = fault_log_density(x, engine, sigma, censored, lag, centre)
         judged = ok & (engine >= UNLIKELY)
         out.append(suffix_log_lr(later - clean[..., None], first - clean[..., None], judged))
     return torch.cat(out)
@@ -181,13 +241,14 @@ def _goal_point(scores: torch.Tensor) -> float:
 
 
 def bound(clean: Rollouts, real: dict[str, Rollouts], apply, sigma0: float, count: int,
-          generator: torch.Generator) -> dict:
+          generator: torch.Generator, lag: Lag = LAGS["fault"], learned: bool = False) -> dict:
     """Cross-fitted figures: the clean rows are split in two at random; on each half the test reads the measured
     mismatch and its threshold (the 0.1 % point of that half's scores), and the *other* half is counted — its
     clean rows, half of the ``count`` late-onset faults (made from its rows) and half of the condition's real
     late-onset rows. Summed over both halves, so every clean row is counted once, by a threshold set without it
-    (as ``separability.cross_fitted``). Also, for comparison, the faults caught at each held half's own 0.1 %
-    point (the test with its threshold known)."""
+    (as ``separability.cross_fitted``). ``learned``: the noise read from that half's noisy rows
+    (:func:`learned_noise`) instead of the model's σ0 on the measured mismatch. Also, for comparison, the faults
+    caught at each held half's own 0.1 % point (the test with its threshold known)."""
     order = torch.randperm(len(clean), generator=generator)
     halves = (order[: len(clean) // 2], order[len(clean) // 2:])
     real_rows = real.get("real_late_onset")
@@ -195,10 +256,12 @@ def bound(clean: Rollouts, real: dict[str, Rollouts], apply, sigma0: float, coun
     out = {"thresholds_log_lr": [], "clean_rows": 0, "false": 0, "own_false": 0}
     for side, (fit_index, held_index) in enumerate((halves, halves[::-1])):
         fit, held = clean.rows(fit_index), clean.rows(held_index)
-        base = measured_mismatch(fit)
-        fit_scores = row_log_lr(apply(fit), base, sigma0)
+        noisy_fit = apply(fit)
+        base = learned_noise(noisy_fit) if learned else measured_mismatch(fit)
+        scale = None if learned else sigma0
+        fit_scores = row_log_lr(noisy_fit, base, scale, lag)
         threshold = _goal_point(fit_scores)
-        held_scores = row_log_lr(apply(held), base, sigma0)
+        held_scores = row_log_lr(apply(held), base, scale, lag)
         own = _goal_point(held_scores)
         share = count // 2 if side == 0 else count - count // 2
         index = torch.randint(0, len(held), (share,), generator=generator)
@@ -210,7 +273,7 @@ def bound(clean: Rollouts, real: dict[str, Rollouts], apply, sigma0: float, coun
         out["false"] += int((held_scores > threshold).sum())
         out["own_false"] += int((held_scores > own).sum())
         for name, rows in faults.items():
-            scores = row_log_lr(rows, base, sigma0)
+            scores = row_log_lr(rows, base, scale, lag)
             figures = out.setdefault(name, {"rows": 0, "caught": 0, "caught_at_own_threshold": 0})
             figures["rows"] += len(rows)
             figures["caught"] += int((scores > threshold).sum())
@@ -231,9 +294,23 @@ def main(
     step_rows: int = typer.Option(256, help="as benchmarks/fidelity.py (the noise models' tail rate uses it)"),
     seed: int = typer.Option(0),
     same_support: bool = typer.Option(False, help="as benchmarks/fidelity.py --same-support"),
-    out: Path = typer.Option(REPO / "runs" / "fidelity", help="folder for likelihood-bound.json/.md (default: "
-                                                               "runs/fidelity, ignored by git)"),
+    noise_read: str = typer.Option("model", "--noise", help="model: the hybrid-7B model's σ0 (1 + |e|) on the "
+                                   "measured mismatch; learned: each 0.25-nat engine bin's mean and sd read from the "
+                                   "fit half's noisy clean rows (learned_noise)"),
+    lag: str = typer.Option("fault", help="the lag the test is told: fault (zoo.late_onset's, gaps U², D ~ U(2, 8)) or "
+                            "generic (gaps uniform, D ~ U(1, 10))"),
+    noise_shape: str = typer.Option("surprise", help="as benchmarks/fidelity.py --noise-shape (with --noise learned)"),
+    out: Path = typer.Option(REPO / "runs" / "fidelity", help="folder for likelihood-bound[-<noise>-<lag>-<shape>]"
+                                                               ".json/.md (default: runs/fidelity, ignored by git)"),
 ) -> None:
+    checked_noise_shape(noise_shape)
+    if noise_read not in ("model", "learned"):
+        raise typer.BadParameter(f"--noise {noise_read!r}: use model or learned")
+    if lag not in LAGS:
+        raise typer.BadParameter(f"--lag {lag!r}: use one of {', '.join(LAGS)}")
+    if noise_read == "model" and noise_shape != "surprise":
+        raise typer.BadParameter(f"--noise-shape {noise_shape!r} needs --noise learned: the model's σ0 (1 + |e|) is "
+                                 "the surprise shape")
     paths = sorted(glob.glob(data))
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file: generate the data "
@@ -242,18 +319,24 @@ def main(
     table = read_tables(paths)
     generator = torch.Generator().manual_seed(seed + 2027)
     results = []
-    for name, clean, real, apply, params in conditions(table, seed, step_rows, same_support):
-        if params.get("noise") != "tail_hybrid7b":
+    for name, clean, real, apply, params in conditions(table, seed, step_rows, same_support, noise_shape=noise_shape):
+        if params.get("noise") != shaped(HYBRID_7B, noise_shape).name:
             continue
-        figures = bound(clean, real, apply, params["sigma0"], faults_per_condition, generator)
+        figures = bound(clean, real, apply, params["sigma0"], faults_per_condition, generator, LAGS[lag],
+                        learned=noise_read == "learned")
         results.append({"condition": name, "sigma0": params["sigma0"], **figures})
         line = ", ".join(f"{k} {v['caught']} of {v['rows']} ({100 * v['recall']:.2f} %)"
                          for k, v in figures.items() if isinstance(v, dict))
         print(f"{name}: false {figures['false']} of {figures['clean_rows']}; {line}", flush=True)
+    if not results:
+        raise RuntimeError(f"no condition with the hybrid-7B noise model in {data!r}: nothing was scored")
     out.mkdir(parents=True, exist_ok=True)
     summary = {"seed": seed, "same_support": same_support, "faults_per_condition": faults_per_condition,
+               "noise": noise_read, "lag": lag, "noise_shape": noise_shape,
                "seconds": round(time.perf_counter() - started, 1), "results": results}
-    (out / "likelihood-bound.json").write_text(json.dumps(summary, indent=1))
+    chosen = [v for v, default in ((noise_read, "model"), (lag, "fault"), (noise_shape, "surprise")) if v != default]
+    stem = "-".join(["likelihood-bound", *chosen])
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
     lines = ["| condition | clean rows flagged (cross-fitted; 95 % interval) | late onset caught | "
              "real late onset caught |", "| --- | --- | --- | --- |"]
     for r in results:
@@ -264,8 +347,9 @@ def main(
         lines.append(f"| {r['condition']} | {r['false']} of {r['clean_rows']} ({100 * r['false_rate']:.3f} %; "
                      f"[{low:.3f}, {high:.3f}]) | "
                      + " | ".join(cells) + " |")
-    (out / "likelihood-bound.md").write_text(
-        "# Likelihood-ratio test for late onset under the hybrid-7B noise model (`benchmarks/likelihood_bound.py`)\n\n"
+    (out / f"{stem}.md").write_text(
+        "# Likelihood-ratio test for late onset under the hybrid-7B noise model (`benchmarks/likelihood_bound.py`"
+        f" --noise {noise_read} --lag {lag} --noise-shape {noise_shape})\n\n"
         + "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts  # noqa: E402
-from benchmarks.likelihood_bound import bound, measured_mismatch, row_log_lr, suffix_log_lr  # noqa: E402
+from benchmarks.likelihood_bound import (LAGS, LEARNED_EDGES, bound, learned_noise, measured_mismatch,  # noqa: E402
+                                        row_log_lr, suffix_log_lr)
 
 SIGMA0 = 0.15  # nats: the broad part's scale per unit of surprise (the hybrid-7B model's is 0.14–0.18)
 
@@ -108,6 +109,46 @@ def test_a_threshold_set_on_the_rows_it_counts_would_flag_none_of_them():
     assert flagged >= 5
 
 
+def test_the_noise_read_from_noisy_clean_rows_is_the_models_broad_part():
+    """``learned_noise`` reads per 0.25-nat engine bin what the model put there: sd σ0 (1 + |e|) over the quiet
+    rows' 0.01 nats (to 4 % in every bin the rows fill, but the top one: a trainer near 0 nats is clamped), mean ~0."""
+    generator = torch.Generator().manual_seed(5)
+    mean, sd = learned_noise(_noise(generator)(_clean(4000, generator)))
+    middle = (LEARNED_EDGES[:-1] + LEARNED_EDGES[1:]) / 2
+    filled = (middle > -2.5) & (middle < -0.25)  # the rows' engine logprobs lie in −2.5 … −0.1
+    expected = (SIGMA0 ** 2 * (1 + middle.abs()) ** 2 + 0.01 ** 2).sqrt()
+    assert torch.allclose(sd[1:-1][filled], expected[filled], rtol=0.04)
+    assert float(mean[1:-1][filled].abs().max()) < 0.01
+
+
+def test_the_learned_noise_ranks_rows_as_the_model_does_where_the_model_is_true():
+    """Where the noise is the model's, the test told no σ0 ranks clean and late-onset rows as the test told it:
+    rank correlation over 0.98 (0.84 and 0.93 with every token's sd read as 0.5 nats instead)."""
+    generator = torch.Generator().manual_seed(7)
+    apply = _noise(generator)
+    fit = _clean(2000, generator)
+    learned, measured = learned_noise(apply(fit)), measured_mismatch(fit)
+    for rows in (apply(_clean(500, generator)), apply(zoo.late_onset(_clean(500, generator), generator))):
+        ranks = torch.stack([row_log_lr(rows, learned, None).argsort().argsort().double(),
+                             row_log_lr(rows, measured, SIGMA0).argsort().argsort().double()])
+        assert float(torch.corrcoef(ranks)[0, 1]) > 0.98
+
+
+@pytest.mark.parametrize("lag", ["fault", "generic"])
+def test_with_the_noise_learned_and_either_lag_a_late_onset_is_still_found(lag):
+    """Told no σ0 (the noise read from noisy clean rows) and, with ``generic``, not the fault's own lag profile,
+    the test still finds 99 % of late-onset rows at a threshold that fresh clean rows pass about 0.1 % of the time."""
+    generator = torch.Generator().manual_seed(6)
+    apply = _noise(generator)
+    fit = apply(_clean(4000, generator))
+    base = learned_noise(fit)
+    threshold = float(row_log_lr(fit, base, None, LAGS[lag]).sort(descending=True).values[4])
+    faulty = apply(zoo.late_onset(_clean(1000, generator), generator))
+    assert float((row_log_lr(faulty, base, None, LAGS[lag]) > threshold).double().mean()) >= 0.99
+    fresh = row_log_lr(apply(_clean(4000, generator)), base, None, LAGS[lag])
+    assert float((fresh > threshold).double().mean()) < 0.005
+
+
 def test_the_module_examples_run():
     import doctest
     from benchmarks import likelihood_bound
@@ -122,4 +163,18 @@ def test_data_that_matches_nothing_is_one_line_naming_the_option(tmp_path):
                                                        "--out", str(tmp_path / "o")])
     assert result.exit_code == 2, result.output
     assert "--data" in result.output and "matches no file" in " ".join(result.output.split())
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("arguments, option", [(["--noise", "guessed"], "--noise"), (["--lag", "late"], "--lag"),
+                                               (["--noise-shape", "softmax"], "--noise-shape"),
+                                               (["--noise", "learned", "--noise-shape", "round"], "--noise-shape")])
+def test_a_bad_option_is_one_line_naming_it_before_data_is_read(tmp_path, arguments, option):
+    """The model's σ0 (1 + |e|) is the surprise shape: another shape needs the noise learned."""
+    from typer.testing import CliRunner
+    from benchmarks import likelihood_bound
+    result = CliRunner().invoke(likelihood_bound.app, [*arguments, "--data", str(tmp_path / "none-*.parquet"),
+                                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert option in result.output and "matches no file" not in result.output
     assert not (tmp_path / "o").exists()
