@@ -17,9 +17,11 @@ end every token lags by a gap uniform on [0.1, D], the onset's own by D, D ~ U(1
 form, f_D(x) = [Φ((x − c − 0.1)/σ) − Φ((x − c − D)/σ)] / (D − 0.1). Tokens the engine put below −3 nats, and
 tokens whose trainer logprob is at its clamp, are not read. Two thresholds: ln 1000 (the bound above) and the
 other half's 0.1 % point (``_goal_point``: the test with its threshold read from the clean rows, as in
-``likelihood_bound.py``). ``--sd-floor``: each bin's sd at least that many nats.
+``likelihood_bound.py``). ``--odds``: the fixed threshold ln(odds) instead of ln 1000. ``--sd-floor``: each
+bin's sd at least that many nats. ``--per-setting``: in a pooled stream the noise of each sampling setting learned
+apart, each row scored against its own setting's (a told guard re-learns its centres at each change of setting).
 
-    python benchmarks/results-2026-12-03-twentyeighth/changepoint_every_condition.py [--sd-floor 0.05]
+    python benchmarks/results-2026-12-03-twentyeighth/changepoint_every_condition.py [--per-setting] [--seed 1]
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
 from benchmarks.likelihood_bound import CLAMP, LEARNED_EDGES, _goal_point, learned_noise  # noqa: E402
 
 WORST = torch.linspace(1.0, 10.0, 13, dtype=torch.float64)[:-1] + 0.375  # nats: D ~ U(1, 10), 12 midpoints
-MARKOV = math.log(1000.0)  # ln Λ above which at most 0.1 % of clean rows lie, if the clean model holds
 FAULTS = {"late_onset": zoo.late_onset, "moderate_confidence": zoo.moderate_confidence}
 
 app = typer.Typer(add_completion=False)
@@ -82,20 +83,49 @@ def row_log_lr(rows: Rollouts, noise: tuple[torch.Tensor, torch.Tensor], sd_floo
     return torch.cat(out)
 
 
+def _settings(rows: Rollouts) -> torch.Tensor:
+    return rows.setting if rows.setting is not None else torch.zeros(len(rows), dtype=torch.long)
+
+
+def learned_by_setting(rows: Rollouts, per_setting: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The learned noise of each sampling setting of a pooled stream (``per_setting``), or of all rows (key −1)."""
+    if not per_setting:
+        return {-1: learned_noise(rows)}
+    settings = _settings(rows)
+    return {int(k): learned_noise(rows.rows(torch.nonzero(settings == k).flatten())) for k in settings.unique()}
+
+
+def scored(rows: Rollouts, noises: dict[int, tuple[torch.Tensor, torch.Tensor]], sd_floor: float) -> torch.Tensor:
+    """(B,) ln Λ, each row against its setting's learned noise (or the one table of key −1)."""
+    if -1 in noises:
+        return row_log_lr(rows, noises[-1], sd_floor)
+    settings, out = _settings(rows), torch.full((len(rows),), -math.inf, dtype=torch.float64)
+    for key, noise in noises.items():
+        index = torch.nonzero(settings == key).flatten()
+        if len(index):
+            out[index] = row_log_lr(rows.rows(index), noise, sd_floor)
+    return out
+
+
 @app.command()
 def main(data: str = typer.Option(DEFAULT_DATA, help="as benchmarks/fidelity.py"),
          seed: int = typer.Option(0), faults: int = typer.Option(1000, help="rows per fault and condition"),
          sd_floor: float = typer.Option(0.0, help="nats: each bin's sd at least this"),
-         noise_shape: str = typer.Option("surprise", help="as benchmarks/fidelity.py --noise-shape")) -> None:
+         noise_shape: str = typer.Option("surprise", help="as benchmarks/fidelity.py --noise-shape"),
+         per_setting: bool = typer.Option(False, help="in a pooled stream, learn the noise of each sampling setting "
+                                                      "apart and score each row against its own setting's"),
+         odds: float = typer.Option(1000.0, help="the fixed threshold is ln of this: at most 1/odds of clean rows "
+                                                 "pass it if the assumed noise holds (Markov)")) -> None:
+    markov = math.log(odds)
     checked_noise_shape(noise_shape)
     paths = sorted(glob.glob(data))
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file")
     generator = torch.Generator().manual_seed(seed + 2027)
-    print(f"seed {seed}, sd floor {sd_floor}, shape {noise_shape}; missed of {faults} per fault; real late onset "
-          "missed at ln 1000")
-    print("| condition | clean rows | flagged at ln 1000 | at the other half's 0.1 % point | late onset missed "
-          "(ln 1000 / 0.1 % point) | moderate missed | real late onset missed |")
+    print(f"seed {seed}, sd floor {sd_floor}, shape {noise_shape}, noise learned per setting: {per_setting}; missed "
+          f"of {faults} per fault; real late onset missed at ln {odds:g}")
+    print(f"| condition | clean rows | flagged at ln {odds:g} | at the other half's 0.1 % point | late onset missed "
+          f"(ln {odds:g} / 0.1 % point) | moderate missed | real late onset missed |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     totals = [0] * 9
     for name, clean, real, apply, _ in conditions(read_tables(paths), seed, 256, True, noise_shape=noise_shape):
@@ -105,21 +135,21 @@ def main(data: str = typer.Option(DEFAULT_DATA, help="as benchmarks/fidelity.py"
         counts = [0] * 9  # clean, flagged ×2, late missed ×2, moderate missed ×2, real missed, real rows
         for side, (fit_index, held_index) in enumerate((halves, halves[::-1])):
             fit = apply(clean.rows(fit_index))
-            noise = learned_noise(fit)
-            point = _goal_point(row_log_lr(fit, noise, sd_floor))
+            noise = learned_by_setting(fit, per_setting)
+            point = _goal_point(scored(fit, noise, sd_floor))
             held = clean.rows(held_index)
-            scores = row_log_lr(apply(held), noise, sd_floor)
+            scores = scored(apply(held), noise, sd_floor)
             counts[0] += len(scores)
-            counts[1] += int((scores > MARKOV).sum())
+            counts[1] += int((scores > markov).sum())
             counts[2] += int((scores > point).sum())
             for offset, make in zip((3, 5), FAULTS.values(), strict=True):
                 index = torch.randint(0, len(held), (faults // 2,), generator=generator)
-                faulty = row_log_lr(apply(make(held.rows(index), generator)), noise, sd_floor)
-                counts[offset] += int((faulty <= MARKOV).sum())
+                faulty = scored(apply(make(held.rows(index), generator)), noise, sd_floor)
+                counts[offset] += int((faulty <= markov).sum())
                 counts[offset + 1] += int((faulty <= point).sum())
             if real_rows is not None:
                 part = real_rows.rows(torch.arange(side, len(real_rows), 2))
-                counts[7] += int((row_log_lr(apply(part), noise, sd_floor) <= MARKOV).sum())
+                counts[7] += int((scored(apply(part), noise, sd_floor) <= markov).sum())
                 counts[8] += len(part)
         totals = [t + c for t, c in zip(totals, counts, strict=True)]
         real_cell = f"{counts[7]} of {counts[8]}" if real_rows is not None else "–"
