@@ -116,8 +116,10 @@ def main(data: str = typer.Option(DEFAULT_DATA, help="as benchmarks/fidelity.py"
                                                       "apart and score each row against its own setting's"),
          odds: float = typer.Option(1000.0, help="the fixed threshold is ln of this: at most 1/odds of clean rows "
                                                  "pass it if the assumed noise holds (Markov)")) -> None:
-    markov = math.log(odds)
     checked_noise_shape(noise_shape)
+    if not odds > 1:
+        raise typer.BadParameter(f"--odds {odds:g}: use a number above 1 (the threshold is ln odds)")
+    markov = math.log(odds)
     paths = sorted(glob.glob(data))
     if not paths:
         raise typer.BadParameter(f"--data {data!r} matches no file")
