@@ -172,15 +172,28 @@ def suffix_log_lr(later: torch.Tensor, first: torch.Tensor, judged: torch.Tensor
     return torch.where(count > 0, score, torch.full_like(score, -math.inf))
 
 
+def binned_sums(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.Tensor, edges: torch.Tensor,
+                clip: float = math.inf) -> torch.Tensor:
+    """(len(edges) + 1, 3) float64: count, Σx and Σx² of ``x = clip(engine − trainer, ±clip)`` per engine-logprob
+    bin of ``edges`` (``torch.bucketize``), over the ``valid`` tokens whose two logprobs are finite."""
+    ok = valid & torch.isfinite(engine) & torch.isfinite(trainer)
+    index = torch.bucketize(engine[ok].double(), edges)
+    x = (engine - trainer)[ok].double().clamp(-clip, clip)
+    return torch.stack([torch.bincount(index, minlength=len(edges) + 1).double(),
+                        torch.bincount(index, weights=x, minlength=len(edges) + 1),
+                        torch.bincount(index, weights=x * x, minlength=len(edges) + 1)], dim=1)
+
+
+def binned_moments(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and sd (nats) per bin from :func:`binned_sums` (an empty bin: 0 and 1e-4)."""
+    count = sums[:, 0].clamp(min=1)
+    mean = sums[:, 1] / count
+    return mean, (sums[:, 2] / count - mean * mean).clamp(min=1e-8).sqrt()
+
+
 def measured_mismatch(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and sd (nats) of clean ``engine − trainer`` per engine-logprob bin of :data:`BIN_EDGES`."""
-    ok = rows.mask & torch.isfinite(rows.engine) & torch.isfinite(rows.trainer)
-    engine, x = rows.engine[ok].double(), (rows.engine - rows.trainer)[ok].double()
-    index = torch.bucketize(engine, BIN_EDGES)
-    count = torch.bincount(index, minlength=len(BIN_EDGES) + 1).double().clamp(min=1)
-    mean = torch.bincount(index, weights=x, minlength=len(BIN_EDGES) + 1) / count
-    second = torch.bincount(index, weights=x * x, minlength=len(BIN_EDGES) + 1) / count
-    return mean, (second - mean * mean).clamp(min=1e-8).sqrt()
+    return binned_moments(binned_sums(rows.engine, rows.trainer, rows.mask, BIN_EDGES))
 
 
 def learned_noise(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,14 +208,7 @@ def learned_noise(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
     >>> [round(float(v), 3) for v in (mean[12], sd[12], mean[1], sd[1])]  # bins (−0.25, 0] and (−3, −2.75]: 9 read as 4
     [0.2, 0.1, 1.5, 2.5]
     """
-    ok = rows.mask & torch.isfinite(rows.engine) & torch.isfinite(rows.trainer)
-    engine = rows.engine[ok].double()
-    x = (rows.engine - rows.trainer)[ok].double().clamp(-LEARNED_CLIP, LEARNED_CLIP)
-    index = torch.bucketize(engine, LEARNED_EDGES)
-    count = torch.bincount(index, minlength=len(LEARNED_EDGES) + 1).double().clamp(min=1)
-    mean = torch.bincount(index, weights=x, minlength=len(LEARNED_EDGES) + 1) / count
-    second = torch.bincount(index, weights=x * x, minlength=len(LEARNED_EDGES) + 1) / count
-    return mean, (second - mean * mean).clamp(min=1e-8).sqrt()
+    return binned_moments(binned_sums(rows.engine, rows.trainer, rows.mask, LEARNED_EDGES, LEARNED_CLIP))
 
 
 def row_log_lr(rows: Rollouts, base: tuple[torch.Tensor, torch.Tensor], sigma0: float | None,

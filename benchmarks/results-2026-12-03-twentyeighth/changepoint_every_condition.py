@@ -40,6 +40,7 @@ from benchmarks.fidelity import DEFAULT_DATA, checked_noise_shape, conditions  #
 from benchmarks.fidelity_kit import zoo  # noqa: E402
 from benchmarks.fidelity_kit.noise import UNLIKELY  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
+from benchmarks.fidelity_kit.score import _settings  # noqa: E402
 from benchmarks.likelihood_bound import CLAMP, LEARNED_EDGES, _goal_point, learned_noise  # noqa: E402
 
 WORST = torch.linspace(1.0, 10.0, 13, dtype=torch.float64)[:-1] + 0.375  # nats: D ~ U(1, 10), 12 midpoints
@@ -56,35 +57,39 @@ def _log_ndtr_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(b > 0, upper, lower)
 
 
+def log_lr(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, sd: torch.Tensor,
+           readable: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) ln Λ of (B, T) rows against each :data:`LEARNED_EDGES` bin's noise ``mean`` and ``sd``: the onset
+    equally likely at each read token, D at each of :data:`WORST`; ``readable``: the bins that may be read (all)."""
+    engine, trainer = engine.double(), trainer.double()
+    read = mask & torch.isfinite(engine) & torch.isfinite(trainer) & (engine >= UNLIKELY) & (trainer < CLAMP)
+    engine = torch.where(read, engine, torch.full_like(engine, -1.0))
+    trainer = torch.where(read, trainer, torch.full_like(trainer, -1.0))
+    index = torch.bucketize(engine, LEARNED_EDGES)
+    if readable is not None:
+        read &= readable[index]
+    s = sd[index][..., None]
+    z = ((engine - trainer - mean[index]) / sd[index])[..., None]
+    clean = -0.5 * z * z  # both densities share 1/(σ√2π): it cancels
+    later = (_log_ndtr_difference(z - 0.1 / s, z - WORST / s) - torch.log(WORST - 0.1)
+             + 0.5 * math.log(2 * math.pi) + torch.log(s) - clean)
+    first = -0.5 * (z - WORST / s) ** 2 - clean
+    later = torch.where(read[..., None], later, torch.zeros_like(later))
+    after = later.flip(1).cumsum(1).flip(1) - later
+    total = torch.where(read[..., None], first + after, torch.full_like(first, -math.inf))
+    count = read.sum(-1).double() * len(WORST)
+    score = torch.logsumexp(total.flatten(1), dim=-1) - torch.log(count.clamp(min=1))
+    return torch.where(count > 0, score, torch.full_like(score, -math.inf))
+
+
 def row_log_lr(rows: Rollouts, noise: tuple[torch.Tensor, torch.Tensor], sd_floor: float,
                chunk: int = 256) -> torch.Tensor:
-    """(B,) ln Λ: the onset equally likely at each read token, D at each of :data:`WORST`."""
+    """(B,) :func:`log_lr` of ``rows`` against ``noise`` (:func:`likelihood_bound.learned_noise`), each bin's sd at
+    least ``sd_floor``, ``chunk`` rows at a time."""
     mean, spread = noise
-    out = []
-    for start in range(0, len(rows), chunk):
-        part = rows.rows(slice(start, start + chunk))
-        engine, trainer = part.engine.double(), part.trainer.double()
-        read = part.mask & torch.isfinite(engine) & torch.isfinite(trainer) & (engine >= UNLIKELY) & (trainer < CLAMP)
-        engine = torch.where(read, engine, torch.full_like(engine, -1.0))
-        trainer = torch.where(read, trainer, torch.full_like(trainer, -1.0))
-        index = torch.bucketize(engine, LEARNED_EDGES)
-        sd = spread[index].clamp(min=sd_floor)[..., None]
-        z = ((engine - trainer - mean[index]) / spread[index].clamp(min=sd_floor))[..., None]
-        clean = -0.5 * z * z  # both densities share 1/(σ√2π): it cancels
-        later = (_log_ndtr_difference(z - 0.1 / sd, z - WORST / sd) - torch.log(WORST - 0.1)
-                 + 0.5 * math.log(2 * math.pi) + torch.log(sd) - clean)
-        first = -0.5 * (z - WORST / sd) ** 2 - clean
-        later = torch.where(read[..., None], later, torch.zeros_like(later))
-        after = later.flip(1).cumsum(1).flip(1) - later
-        total = torch.where(read[..., None], first + after, torch.full_like(first, -math.inf))
-        count = read.sum(-1).double() * len(WORST)
-        score = torch.logsumexp(total.flatten(1), dim=-1) - torch.log(count.clamp(min=1))
-        out.append(torch.where(count > 0, score, torch.full_like(score, -math.inf)))
-    return torch.cat(out)
-
-
-def _settings(rows: Rollouts) -> torch.Tensor:
-    return rows.setting if rows.setting is not None else torch.zeros(len(rows), dtype=torch.long)
+    parts = (rows.rows(slice(start, start + chunk)) for start in range(0, len(rows), chunk))
+    return torch.cat([log_lr(part.engine, part.trainer, part.mask, mean, spread.clamp(min=sd_floor))
+                      for part in parts])
 
 
 def learned_by_setting(rows: Rollouts, per_setting: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

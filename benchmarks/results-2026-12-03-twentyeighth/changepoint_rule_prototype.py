@@ -36,8 +36,7 @@ sys.path.insert(0, str(HERE))
 import changepoint_every_condition as cp  # noqa: E402
 
 from benchmarks import fidelity  # noqa: E402
-from benchmarks.fidelity_kit.noise import UNLIKELY  # noqa: E402
-from benchmarks.likelihood_bound import CLAMP, LEARNED_CLIP, LEARNED_EDGES  # noqa: E402
+from benchmarks.likelihood_bound import LEARNED_CLIP, LEARNED_EDGES, binned_moments, binned_sums  # noqa: E402
 from rollout_guard import RolloutGuard  # noqa: E402
 
 MIN_BIN_TOKENS = 200  # tokens a bin needs before it is read
@@ -49,40 +48,10 @@ BINS = len(LEARNED_EDGES) + 1
 
 
 def scores(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """(B,) ln Λ against the bins' (count, Σx, Σx²) ``sums`` (BINS, 3); −inf for a row with no read token."""
-    engine, trainer = engine.double(), trainer.double()
-    count = sums[:, 0].clamp(min=1)
-    mean = sums[:, 1] / count
-    sd = (sums[:, 2] / count - mean * mean).clamp(min=1e-8).sqrt()
-    ready = sums[:, 0] >= MIN_BIN_TOKENS
-    read = mask & torch.isfinite(engine) & torch.isfinite(trainer) & (engine >= UNLIKELY) & (trainer < CLAMP)
-    engine = torch.where(read, engine, torch.full_like(engine, -1.0))
-    trainer = torch.where(read, trainer, torch.full_like(trainer, -1.0))
-    index = torch.bucketize(engine, LEARNED_EDGES)
-    read &= ready[index]
-    s = sd[index][..., None]
-    z = ((engine - trainer - mean[index]) / sd[index])[..., None]
-    clean = -0.5 * z * z
-    later = (cp._log_ndtr_difference(z - 0.1 / s, z - cp.WORST / s) - torch.log(cp.WORST - 0.1)
-             + 0.5 * math.log(2 * math.pi) + torch.log(s) - clean)
-    first = -0.5 * (z - cp.WORST / s) ** 2 - clean
-    later = torch.where(read[..., None], later, torch.zeros_like(later))
-    after = later.flip(1).cumsum(1).flip(1) - later
-    total = torch.where(read[..., None], first + after, torch.full_like(first, -math.inf))
-    number = read.sum(-1).double() * len(cp.WORST)
-    score = torch.logsumexp(total.flatten(1), dim=-1) - torch.log(number.clamp(min=1))
-    return torch.where(number > 0, score, torch.full_like(score, -math.inf))
-
-
-def bin_sums(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(BINS, 3) count, Σx, Σx² of clip(engine − trainer, ±LEARNED_CLIP) per engine bin over ``mask``."""
-    ok = mask & torch.isfinite(engine) & torch.isfinite(trainer)
-    e = engine[ok].double()
-    x = (engine - trainer)[ok].double().clamp(-LEARNED_CLIP, LEARNED_CLIP)
-    index = torch.bucketize(e, LEARNED_EDGES)
-    return torch.stack([torch.bincount(index, minlength=BINS).double(),
-                        torch.bincount(index, weights=x, minlength=BINS),
-                        torch.bincount(index, weights=x * x, minlength=BINS)], dim=1)
+    """(B,) ln Λ (:func:`changepoint_every_condition.log_lr`) against the bins' (count, Σx, Σx²) ``sums``, a bin
+    read once it holds ``MIN_BIN_TOKENS``; −inf for a row with no read token."""
+    mean, sd = binned_moments(sums)
+    return cp.log_lr(engine, trainer, mask, mean, sd, readable=sums[:, 0] >= MIN_BIN_TOKENS)
 
 
 class ChangepointGuard:
@@ -119,7 +88,7 @@ class ChangepointGuard:
         report.quarantined = report.quarantined | fired
         self.kept_scores = torch.cat([self.kept_scores, row[others_kept & torch.isfinite(row)]])
         kept = ~report.suspect
-        self.sums += bin_sums(engine, trainer, mask & kept[:, None])
+        self.sums += binned_sums(engine, trainer, mask & kept[:, None], LEARNED_EDGES, LEARNED_CLIP)
         return report
 
     def state_dict(self) -> dict:
