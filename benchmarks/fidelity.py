@@ -319,7 +319,9 @@ def main(
         worst = min((v["recall"], k) for k, v in f.items() if k != "clean") if len(f) > 1 else (math.nan, "-")
         again = clean_f["resampled"]
         print(f"{name}: clean {clean_f['rows']} rows, false {_cell(clean_f, 'false')} {clean_f['rules']} "
-              f"(resampled: {again['false']} of {again['judged']} judgements); "
+              f"(resampled: {again['false']} of {again['judged']} judgements, {100 * again['false_rate']:.3f} % "
+              f"[{100 * again['ci'][0]:.3f}, {100 * again['ci'][1]:.3f}] counting each row's judgements together; "
+              f"{again['rows_flagged']} of {again['rows']} distinct rows ever flagged); "
               f"lowest recall {100 * worst[0]:.2f} % ({worst[1]})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     all_pass = all(v["pass"] for r in results for v in r["figures"].values())

@@ -36,6 +36,52 @@ def wilson(successes: int, total: int, z: float = 1.959964) -> tuple[float, floa
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def clustered_rate(flagged: torch.Tensor, cluster: torch.Tensor) -> tuple[float, float, float, float]:
+    """The share of flagged judgements and its 95 % interval when judgements come in clusters (the same row judged
+    again): :func:`wilson` over the effective number of judgements, the judgements divided by the design effect
+    that the clusters' own spread gives (the ratio estimator's cluster-robust variance over the binomial one),
+
+    .. math:: \\hat r = \\frac{\\sum_c f_c}{N}, \\quad
+              \\widehat{V}_c = \\frac{C}{C - 1}\\,\\frac{\\sum_c (f_c - \\hat r\\,n_c)^2}{N^2}, \\quad
+              N_\\text{eff} = \\frac{N}{\\max(1,\\ \\widehat{V}_c / (\\hat r(1 - \\hat r)/N))}
+
+    with ``f_c`` and ``n_c`` the flagged and all judgements of cluster ``c``, ``C`` clusters and ``N`` judgements.
+    A binomial interval over the judgements would treat a row judged 170 times as 170 independent rows; this one
+    is as wide as the flagged judgements cluster. With nothing flagged the spread says nothing: then ``N_eff = C``
+    (every row's judgements alike, the widest case), the bound of the distinct rows.
+
+    Args:
+        flagged: (N,) bool per judgement.
+        cluster: (N,) int64 cluster (row) of each judgement.
+    Returns:
+        the share, the interval's two ends and ``N_eff``.
+
+    >>> flagged = torch.zeros(1000, dtype=torch.bool); flagged[:10] = True
+    >>> [round(x, 4) for x in clustered_rate(flagged, torch.arange(1000))]  # 1,000 rows: the binomial interval
+    [0.01, 0.0054, 0.0183, 999.0]
+    >>> two_rows = (torch.arange(1000) >= 500).long()  # 10 flagged judgements of one row of two: little known
+    >>> [round(x, 4) for x in clustered_rate(flagged, two_rows)]
+    [0.01, 0.0018, 0.0549, 99.0]
+    >>> [round(x, 4) for x in clustered_rate(torch.zeros(1000, dtype=torch.bool), two_rows)]  # nothing flagged
+    [0.0, 0.0, 0.6576, 2.0]
+    """
+    total = len(flagged)
+    if total == 0:
+        return (math.nan, math.nan, math.nan, 0.0)
+    _, cluster = torch.unique(cluster, return_inverse=True)
+    size = int(cluster.max()) + 1
+    f = torch.bincount(cluster, weights=flagged.double(), minlength=size)
+    n = torch.bincount(cluster, minlength=size).double()
+    rate = float(f.sum()) / total
+    if rate in (0.0, 1.0) or size < 2:
+        effective = float(size)
+    else:
+        robust = size / (size - 1) * float(((f - rate * n) ** 2).sum()) / total ** 2
+        effective = total / max(1.0, robust / (rate * (1 - rate) / total))
+    low, high = wilson(rate * effective, effective)
+    return (rate, low, high, effective)
+
+
 @dataclass
 class Judged:
     """Per-sample statistics and verdicts of every judged row, with its label."""
@@ -46,10 +92,12 @@ class Judged:
     counted: list[torch.Tensor] = field(default_factory=list)  # (n,) bool: counts towards the figures
     tokens: list[torch.Tensor] = field(default_factory=list)  # (n,) tokens per row
     drift: list[torch.Tensor] = field(default_factory=list)  # (n,) the drift threshold each row was judged with
+    origin: list[torch.Tensor] = field(default_factory=list)  # (n,) long: the clean row judged (−1: a fault, unknown)
 
     def add(self, samples: torch.Tensor, suspect: torch.Tensor, labels: list[str], counted: torch.Tensor,
-            tokens: torch.Tensor, drift_threshold: float | None = None) -> None:
+            tokens: torch.Tensor, drift_threshold: float | None = None, origin: torch.Tensor | None = None) -> None:
         self.samples.append(samples)
+        self.origin.append(origin.long() if origin is not None else torch.full((len(labels),), -1, dtype=torch.long))
         self.suspect.append(suspect)
         self.label.append(labels)
         self.counted.append(counted)
@@ -61,6 +109,10 @@ class Judged:
         labels = [label for step in self.label for label in step]
         return (torch.cat(self.samples), torch.cat(self.suspect), labels, torch.cat(self.counted),
                 torch.cat(self.tokens))
+
+    def origins(self) -> torch.Tensor:
+        """(N,) int64: the index of the clean row each judged row is (or was drawn from), −1 for faults."""
+        return torch.cat(self.origin)
 
     def drift_thresholds(self) -> torch.Tensor:
         """(N,) float64 nats: the (calibrated) drift threshold each row was judged with."""
@@ -133,11 +185,12 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
                 cursors[name, value] += number
         return parts, labels
 
-    def judge(fill: Rollouts, unique: bool, faults: int, value: int, feed: int | None = None) -> None:
-        """One step: ``fill`` clean rows (counted when ``unique``) and ``faults`` faulty rows of setting ``value``;
-        with ``feed``, the guard then moves on with the clean rows and only ``feed`` of the faults."""
+    def judge(index: torch.Tensor, unique: bool, faults: int, value: int, feed: int | None = None) -> None:
+        """One step: the clean rows at ``index`` (counted when ``unique``) and ``faults`` faulty rows of setting
+        ``value``; with ``feed``, the guard then moves on with the clean rows and only ``feed`` of the faults."""
         nonlocal step
         step += 1
+        fill = clean.rows(index)
         parts, labels = take_faults(faults, value)
         rows = cat([fill, *parts])
         labels = ["clean"] * len(fill) + labels
@@ -146,7 +199,8 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         sampling = (value,) if announce_sampling else None
         state = guard.state_dict() if feed is not None else None
         report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step, sampling=sampling)
-        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.drift_threshold)
+        origin = torch.cat([index, torch.full((len(labels) - len(fill),), -1, dtype=torch.long)])
+        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.drift_threshold, origin)
         if state is not None:
             guard.load_state_dict(state)
             count = len(labels) - len(fill)  # spread over the step's faults (they come grouped by kind), turning
@@ -162,7 +216,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         value = int(setting[run_start])
         since_change = 0
         for start in range(run_start, run_stop, clean_step_rows):
-            judge(clean.rows(slice(start, min(start + clean_step_rows, run_stop))), True, per_step_faults, value)
+            judge(torch.arange(start, min(start + clean_step_rows, run_stop)), True, per_step_faults, value)
             since_change += 1
 
     fill = step_rows - step_rows // 4
@@ -175,8 +229,8 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         of_setting = torch.nonzero(setting == value).flatten()
         since_change = since_change if value == last else 0
 
-        def resampled(count: int, of_setting=of_setting) -> Rollouts:
-            return clean.rows(of_setting[torch.randint(0, len(of_setting), (count,), generator=generator)])
+        def resampled(count: int, of_setting=of_setting) -> torch.Tensor:
+            return of_setting[torch.randint(0, len(of_setting), (count,), generator=generator)]
 
         while since_change < warmup_steps and left(value):
             judge(resampled(clean_step_rows), False, per_step_faults, value)
@@ -197,6 +251,7 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
     fired on the false quarantines and which would have caught the faults; apart (``clean.resampled``), the false
     quarantines among the judgements of resampled clean rows (each row judged again in later steps)."""
     samples, verdict, labels, counted, tokens = judged.rows()
+    origin = judged.origins()
     firings = rule_firings(samples, config, judged.drift_thresholds())
     out: dict[str, dict] = {}
     for name in sorted(set(labels)):
@@ -211,7 +266,14 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
                          "pass": flagged / max(total, 1) <= GOAL_FALSE_RATE, "ci_pass": high <= GOAL_FALSE_RATE,
                          "rules": {rule: int((fired & rows).sum()) for rule, fired in firings.items() if (fired & rows).any()}}
             again = torch.tensor([label == name for label in labels]) & ~counted  # resampled clean rows
+            rate, rate_low, rate_high, effective = clustered_rate(verdict[again], origin[again])
+            distinct = origin[again].unique()
+            ever = origin[again & verdict].unique()
+            row_low, row_high = wilson(len(ever), len(distinct))
             out[name]["resampled"] = {"judged": int(again.sum()), "false": int((verdict & again).sum()),
+                                      "false_rate": rate, "ci": [rate_low, rate_high], "effective": effective,
+                                      "rows": len(distinct), "rows_flagged": len(ever),
+                                      "rows_flagged_ci": [row_low, row_high],
                                       "rules": {rule: int((fired & again & verdict).sum())
                                                 for rule, fired in firings.items() if (fired & again & verdict).any()}}
         else:
