@@ -53,7 +53,7 @@ def preset(name: str) -> GuardConfig:
         return GuardConfig(max_quarantine_share=None)
     if name == "v0.1":  # the fixed thresholds of release 0.1, chosen on the tiny copy model
         return GuardConfig(max_quarantine_share=None, spike_delta=8.0, mean_delta=1.0, confident_wrong_tokens=2,
-                           spike_excess=None, drift_threshold=None)
+                           spike_excess=None, drift_threshold=None, changepoint_budget=None)
     if name == "detector-only":  # the direction-aware rules and NaN rules alone
         return GuardConfig(max_quarantine_share=None, spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
     raise typer.BadParameter(f"--preset {name!r}: use 'defaults', 'v0.1' or 'detector-only'")
@@ -184,9 +184,10 @@ def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[
     """Recall per fault and clean false rate, pooled over conditions, with every nat threshold scaled by a factor
     (``token_spike``, ``mean_drift`` and ``drift`` thresholds × f, the drift one each row's calibrated one; the
     spike floor of ``directional_spike`` moved by (f − 1) × ``spike_excess``), re-judging the stored per-sample
-    statistics."""
+    statistics; the ``changepoint`` rule, whose threshold is no nats, at each row's own."""
     samples = torch.cat([j.rows()[0] for j in judged_all])
     drift = torch.cat([j.drift_thresholds() for j in judged_all])  # each row's calibrated drift threshold
+    changepoint = torch.cat([j.changepoint_thresholds() for j in judged_all])
     labels = [label for j in judged_all for label in j.rows()[2]]
     counted = torch.cat([j.rows()[3] for j in judged_all])
     curves: dict[str, list[float]] = {}
@@ -199,7 +200,7 @@ def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[
         shifted = samples.clone()
         if config.spike_excess is not None:
             shifted[:, margin] -= (factor - 1.0) * config.spike_excess
-        suspect = judge(shifted, scaled, drift * factor).suspect
+        suspect = judge(shifted, scaled, drift * factor, changepoint).suspect
         for name in names:
             rows = label_rows[name]
             curves.setdefault(name, []).append(float((suspect & rows).sum()) / max(int(rows.sum()), 1))

@@ -29,9 +29,10 @@ def _logprobs(pointer, inside, valid, PRESENT: tl.constexpr):
 
 @triton.jit
 def guard_rows(
-    mask_ptr, engine_ptr, trainer_ptr, injected_ptr, parameters_ptr, out_ptr,
+    mask_ptr, engine_ptr, trainer_ptr, injected_ptr, score_ptr, parameters_ptr, out_ptr,
     length, batch, mask_stride, engine_stride, trainer_stride,
-    HAS_ENGINE: tl.constexpr, HAS_TRAINER: tl.constexpr, HAS_INJECTED: tl.constexpr, SPIKE_RULE: tl.constexpr,
+    HAS_ENGINE: tl.constexpr, HAS_TRAINER: tl.constexpr, HAS_INJECTED: tl.constexpr, HAS_SCORE: tl.constexpr,
+    SPIKE_RULE: tl.constexpr,
     NUM_DELTA: tl.constexpr, NUM_EXCESS: tl.constexpr, CAL_WIDTH: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK: tl.constexpr, HISTOGRAMS: tl.constexpr = True,
 ):
@@ -67,6 +68,7 @@ def guard_rows(
     delta_edges_ptr = parameters_ptr + 40
     excess_edges_ptr = parameters_ptr + 40 + NUM_DELTA
     rows_ptr = parameters_ptr + 40 + NUM_DELTA + NUM_EXCESS  # each row's spike thresholds: 4 slopes, floor, mean row
+    changepoint_threshold = tl.load(rows_ptr + 6)  # +inf: the changepoint rule does not judge
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     buckets4 = tl.arange(0, 4)
@@ -231,6 +233,10 @@ def guard_rows(
         injected = tl.load(injected_ptr + row).to(tl.float32)
     else:
         injected = nan
+    if HAS_SCORE:  # computed beside the kernel (rollout_guard.changepoint.changepoint_score)
+        changepoint = tl.load(score_ptr + row).to(tl.float32)
+    else:
+        changepoint = nan
 
     reasons = (nonfinite_engine.to(tl.float32) >= min_nonfinite_engine).to(tl.int32)
     reasons += (nonfinite_trainer.to(tl.float32) >= min_nonfinite_trainer).to(tl.int32) * 2
@@ -241,6 +247,7 @@ def guard_rows(
         reasons += (spike_margin > 0.0).to(tl.int32) * 32
     joint = spike_margin + joint_weight * (drift - drift_threshold)  # NaN never fires (as the reference)
     reasons += ((drift > drift_threshold) | (joint > joint_limit)).to(tl.int32) * 64
+    reasons += (changepoint > changepoint_threshold).to(tl.int32) * 128  # NaN, −inf never fire
 
     out = out_ptr + samples_at + row * WIDTH
     tl.store(out + 0, tokens.to(tl.float32).to(tl.float64))
@@ -261,6 +268,7 @@ def guard_rows(
     tl.store(out + 15, spike_margin.to(tl.float64))
     tl.store(out + 16, drift.to(tl.float64))
     tl.store(out + 17, drift_start.to(tl.float32).to(tl.float64))
+    tl.store(out + 18, changepoint.to(tl.float64))
     tl.store(out_ptr + reasons_at + row, reasons.to(tl.float64))
     if row == 0:
         tl.store(out_ptr, 1.0)  # status: ok
@@ -297,7 +305,7 @@ def guard_rows(
             tl.atomic_add(aggregates + 20, 1.0, sem="relaxed")
     if reasons != 0:
         tl.atomic_add(aggregates + 19, 1.0, sem="relaxed")
-        for bit in tl.static_range(7):
+        for bit in tl.static_range(8):
             if (reasons >> bit) & 1:
                 tl.atomic_add(aggregates + 21 + bit, 1.0, sem="relaxed")
 

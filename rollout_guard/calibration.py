@@ -42,7 +42,11 @@ threshold: :func:`drift_threshold`, the extrapolated ``1 − false_alarm_budget 
 samples' drift CUSUM (a CUSUM's excursions have an exponential tail, Siegmund), between
 ``GuardConfig.calibrated_drift_floor`` and ``GuardConfig.drift_threshold``, read once :data:`MIN_DRIFT_ROWS` kept
 samples were judged with the same kind of allowance per bucket (the CUSUM moves when that changes); the samples
-the drift rule alone flagged count too (else its reading only sees what lies below it and can only fall).
+the drift rule alone flagged count too (else its reading only sees what lies below it and can only fall). With
+``GuardConfig.changepoint_budget`` set, the same for the change-point score: :func:`changepoint_threshold`, the
+``1 − changepoint_budget`` point of the kept samples' scores (those the ``changepoint`` rule alone flagged
+included), read once :data:`MIN_CHANGEPOINT_ROWS` were scored with the same buckets read, never above
+:data:`CHANGEPOINT_CEILING`; the score reads each bucket's centre and spread once the centre is set.
 
 A bucket's first :data:`CENTRE_WARMUP_TOKENS` kept tokens set its centre and feed nothing else (judged around 0
 with the warm-up allowance); from then on its drift allowance is its own (a spread needs few tokens), and until its
@@ -364,6 +368,60 @@ from their CUSUM: :func:`extrapolated_quantile` then reads its upper anchor on a
 steps of 256 rollouts."""
 
 
+CHANGEPOINT_EDGES = tuple(-8.0 + 0.25 * k for k in range(61))
+"""ln Λ: the bins of the kept samples' change-point scores, −8 … 7 in steps of 0.25 (scores below −8 count only in
+the rows; a healthy row's is far below 0, a threshold at most :data:`CHANGEPOINT_CEILING`)."""
+NUM_CHANGEPOINT_BINS = len(CHANGEPOINT_EDGES)
+_CHANGEPOINT_EDGES_HOST = torch.tensor(CHANGEPOINT_EDGES, dtype=torch.float64)
+
+CHANGEPOINT_CEILING = math.log(1000.0)
+"""ln Λ. The highest threshold the ``changepoint`` rule uses, and the one it uses before it reads its own: the
+score is a likelihood ratio, E[Λ] = 1 on rows of the noise the test assumes, so Λ > 1000 on at most 0.1 % of them
+(Markov's inequality)."""
+
+MIN_CHANGEPOINT_ROWS = 2000.0
+"""(decayed) kept samples scored with the same buckets read before the ``changepoint`` threshold is read from their
+scores: at a budget of 0.02 % the reading is then their highest. About 8 steps of 256 rollouts. The value the
+prototype was measured with (``benchmarks/results-2026-12-03-twentyeighth/changepoint_rule_prototype.py``)."""
+
+
+def changepoint_threshold(histogram: Sequence[float], rows: float, budget: float,
+                          ceiling: float = CHANGEPOINT_CEILING) -> float:
+    """The ``changepoint`` rule's threshold (ln Λ): the upper edge of the highest bin of the kept samples' scores
+    above which at most ``budget · rows`` of them lie, at most ``ceiling``:
+
+    .. math:: h = \\min\\big(\\textit{ceiling},\\ \\min\\{e_{b+1} : \\textstyle\\sum_{j > b} h_j \\le
+              \\textit{budget} \\cdot \\textit{rows}\\}\\big)
+
+    with ``h`` the histogram over :data:`CHANGEPOINT_EDGES` (bin ``b`` is [e_b, e_{b+1}); the last one has no upper
+    edge). Read as a quantile, not extrapolated: a budget of a few per 10,000 is a handful of the rows kept, and
+    the score of a healthy row has no tail law to extrapolate by.
+
+    Args:
+        histogram: (NUM_CHANGEPOINT_BINS,) decayed counts of kept samples' scores.
+        rows: decayed kept samples scored (fewer than :data:`MIN_CHANGEPOINT_ROWS`: the ceiling).
+        budget: the share of them allowed above the threshold.
+
+    >>> h = [0.0] * NUM_CHANGEPOINT_BINS; h[20] = 30.0; h[40] = 1.0  # 3,000 rows, 30 near −3, one near 2
+    >>> changepoint_threshold(h, 3000.0, 0.0002)  # 0.6 rows allowed above: the one near 2 is not
+    2.25
+    >>> changepoint_threshold(h, 3000.0, 0.001)  # 3 allowed above: the one near 2 is; the next are near −3
+    -2.75
+    >>> h[60] = 5.0; changepoint_threshold(h, 3000.0, 0.001)  # 5 beyond 7 nats: the ceiling
+    6.907755278982137
+    >>> changepoint_threshold(h, 1000.0, 0.001)  # too few rows yet
+    6.907755278982137
+    """
+    if rows < MIN_CHANGEPOINT_ROWS:
+        return ceiling
+    allowed, above = budget * rows, 0.0
+    for b in range(len(histogram) - 1, -1, -1):
+        above += histogram[b]
+        if above > allowed:
+            return ceiling if b + 1 >= len(CHANGEPOINT_EDGES) else min(ceiling, CHANGEPOINT_EDGES[b + 1])
+    return min(ceiling, CHANGEPOINT_EDGES[0])
+
+
 def drift_threshold(histogram: Sequence[float], rows: float, alpha: float, floor: float, ceiling: float) -> float:
     """The calibrated drift threshold (nats): the kept samples' drift CUSUM quantile at ``1 − alpha``, read in the
     body and extrapolated (:func:`extrapolated_quantile`), between ``floor`` and ``ceiling``:
@@ -420,15 +478,19 @@ class Calibration:
         self._announced = False  # told the sampling settings (see the ``announced`` property)
         self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
         self._drift_rows = 0.0  # decayed kept samples since the bucket thresholds last changed kind
+        self._changepoint = [0.0] * NUM_CHANGEPOINT_BINS  # decayed histogram of kept samples' change-point score
+        self._changepoint_rows = 0.0  # decayed kept samples scored since then
         self._thresholds: dict[str, Thresholds] = {}  # per device, until the next update
         self._device_flags: dict[str, torch.Tensor] = {}  # flags and slopes per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
+        self._changepoint_noise: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}  # per device, until then
         self._row_scaling: tuple[list[float], float, float] = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)
         self.age = 0  # steps applied (update) since the start or the last restart
         # a step's contributions held by :meth:`defer` until :meth:`settle`: (K×W sums, kept rows, kept drift,
-        # the centres and centred flags it was judged with)
-        self._pending: tuple[torch.Tensor, float, torch.Tensor | None, tuple[list[float], list[bool]]] | None = None
+        # the centres and centred flags it was judged with, kept change-point scores)
+        self._pending: tuple[torch.Tensor, float, torch.Tensor | None, tuple[list[float], list[bool]],
+                             torch.Tensor | None] | None = None
 
     @property
     def sums(self) -> torch.Tensor:
@@ -517,11 +579,15 @@ class Calibration:
     def _forget_readings(self) -> None:
         """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
         self._thresholds, self._device_flags, self._values, self._drift_value = {}, {}, None, None
+        self._changepoint_noise = {}
 
     def _forget_drift(self) -> None:
-        """The samples' CUSUM depends on the bucket thresholds it was computed with: start its histogram over."""
+        """The samples' CUSUM depends on the bucket thresholds it was computed with, and their change-point score
+        on the buckets read: start both histograms over."""
         self._drift = [0.0] * NUM_EXCESS_BINS
         self._drift_rows = 0.0
+        self._changepoint = [0.0] * NUM_CHANGEPOINT_BINS
+        self._changepoint_rows = 0.0
 
     @property
     def announced(self) -> bool:
@@ -550,6 +616,29 @@ class Calibration:
             self._drift_value = drift_threshold(self._drift, self._drift_rows, config.false_alarm_budget / 1000.0,
                                                 config.calibrated_drift_floor, config.drift_threshold)
         return self._drift_value
+
+    def changepoint_threshold_value(self) -> float | None:
+        """The ``changepoint`` threshold the next step uses (ln Λ; :func:`changepoint_threshold`); ``None``: the
+        rule does not judge (``GuardConfig.changepoint_budget`` is ``None``; or ``compare_on_engine_support`` is
+        off, so that a top-k renormalisation offset, which varies from token to token, is part of d; or the guard
+        is not told the sampling settings; or no bucket's centre is set yet)."""
+        budget = self.config.changepoint_budget
+        if (budget is None or not self.config.compare_on_engine_support or not self._announced
+                or not any(self.centred_flags())):
+            return None
+        return changepoint_threshold(self._changepoint, self._changepoint_rows, budget)
+
+    def changepoint_noise(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(K,) float32 centre and spread (nats) of healthy ``d`` per bucket on ``device``, what
+        :func:`rollout_guard.changepoint.changepoint_score` reads: the spread is the kept tokens' sd of clip(x),
+        0 (not read) where the centre is not set (kept until the next update)."""
+        key = str(device)
+        if key not in self._changepoint_noise:
+            centre, centred = self.judged_with()
+            spread = [math.sqrt(v) if c else 0.0 for v, c in zip(self._variance, centred, strict=True)]
+            self._changepoint_noise[key] = tuple(to_device(torch.tensor(values, dtype=torch.float32), device)
+                                                 for values in (centre, spread))
+        return self._changepoint_noise[key]
 
     def warm(self) -> torch.Tensor:
         """(K,) bool: buckets judged by their calibration (:meth:`calibrated_flags`)."""
@@ -676,11 +765,13 @@ class Calibration:
         return centre, allowance, spike, unlikely, weighted
 
     def update(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None = None,
-               judged_with: tuple[list[float], list[bool]] | None = None) -> None:
+               judged_with: tuple[list[float], list[bool]] | None = None,
+               kept_changepoint: torch.Tensor | None = None) -> None:
         """Add one step's kept contributions, (K, CALIBRATION_WIDTH) summed over processes (host tensor), and the
         drift CUSUM of the samples the drift reading sees (kept, or flagged by the drift rule alone), (n,) host
         tensor over all processes (NaN: no token, skipped). ``judged_with``: the centres and centred flags the step
-        was judged with (:meth:`judged_with`); default the current ones."""
+        was judged with (:meth:`judged_with`); default the current ones. ``kept_changepoint``: likewise the
+        change-point scores of the samples the ``changepoint`` reading sees (NaN, −inf: not scored, skipped)."""
         # the step's tokens were centred with the centre then in use (0 before it is set): move them to absolute d
         centres, centred = judged_with if judged_with is not None else self.judged_with()
         self._forget_readings()
@@ -717,6 +808,13 @@ class Calibration:
             counts = torch.bincount(index[index >= 0], minlength=NUM_EXCESS_BINS).tolist()
             self._drift = [value * decay + added for value, added in zip(self._drift, counts, strict=True)]
             self._drift_rows = self._drift_rows * decay + float(values.numel())
+        if kept_changepoint is not None and self.centred_flags() == centred:
+            values = kept_changepoint.double()
+            values = values[torch.isfinite(values)]
+            index = torch.bucketize(values, _CHANGEPOINT_EDGES_HOST, right=True) - 1  # −1 below the first edge
+            counts = torch.bincount(index[index >= 0], minlength=NUM_CHANGEPOINT_BINS).tolist()
+            self._changepoint = [value * decay + added for value, added in zip(self._changepoint, counts, strict=True)]
+            self._changepoint_rows = self._changepoint_rows * decay + float(values.numel())
 
     def judged_with(self) -> tuple[list[float], list[bool]]:
         """The centres (nats; 0 where not set) and centred flags a step judged now is judged with: what
@@ -725,7 +823,7 @@ class Calibration:
         return [c if u else 0.0 for c, u in zip(self._centre, centred, strict=True)], centred
 
     def defer(self, contribution: torch.Tensor, kept_rows: float, kept_drift: torch.Tensor | None,
-              judged_with: tuple[list[float], list[bool]]) -> None:
+              judged_with: tuple[list[float], list[bool]], kept_changepoint: torch.Tensor | None = None) -> None:
         """One step's contributions (those of :meth:`update`): applied at once during the first
         :data:`SETTLE_AT_ONCE_STEPS` steps since the start or the last restart, else held until :meth:`settle`
         (the one held before is applied first). The guard settles a held step while the next step's packet is
@@ -734,9 +832,9 @@ class Calibration:
         the samples kept up to the step before the previous one. What is held is part of :meth:`state_dict`."""
         self.settle()
         if self.age < SETTLE_AT_ONCE_STEPS:
-            self.update(contribution, kept_rows, kept_drift, judged_with)
+            self.update(contribution, kept_rows, kept_drift, judged_with, kept_changepoint)
         else:
-            self._pending = (contribution, float(kept_rows), kept_drift, judged_with)
+            self._pending = (contribution, float(kept_rows), kept_drift, judged_with, kept_changepoint)
 
     def settle(self) -> bool:
         """Apply the step :meth:`defer` holds, if any (:meth:`update`); whether there was one."""
@@ -751,12 +849,14 @@ class Calibration:
                 "variance": list(self._variance), "rows": self.rows, "fresh": list(self._fresh),
                 "fresh_rows": self._fresh_rows,
                 "drift": list(self._drift), "drift_rows": self._drift_rows,
+                "changepoint": list(self._changepoint), "changepoint_rows": self._changepoint_rows,
                 "unlikely": [list(bucket) for bucket in self._unlikely], "carried": list(self._carried),
                 "unlikely_fresh": list(self._unlikely_fresh), "age": self.age, "surprise_weighted": True,
                 "pending": None if self._pending is None else [
                     self._pending[0].double().tolist(), self._pending[1],
                     None if self._pending[2] is None else self._pending[2].double().tolist(),
-                    [list(part) for part in self._pending[3]]]}
+                    [list(part) for part in self._pending[3]],
+                    None if self._pending[4] is None else self._pending[4].double().tolist()]}
 
     def load_state_dict(self, state: dict) -> None:
         self._forget_readings()
@@ -777,12 +877,16 @@ class Calibration:
         # a checkpoint from before the calibrated drift threshold: its histogram starts empty (the fixed one)
         self._drift = [float(value) for value in state.get("drift", [0.0] * NUM_EXCESS_BINS)]
         self._drift_rows = float(state.get("drift_rows", 0.0))
+        # a checkpoint from before the change-point rule: its histogram starts empty (the ceiling)
+        self._changepoint = [float(value) for value in state.get("changepoint", [0.0] * NUM_CHANGEPOINT_BINS)]
+        self._changepoint_rows = float(state.get("changepoint_rows", 0.0))
         self.age = int(state.get("age", 0))  # a checkpoint from before the deferred update: nothing held
         pending = state.get("pending")
         self._pending = None if pending is None else (
             torch.tensor(pending[0], dtype=torch.float64), float(pending[1]),
             None if pending[2] is None else torch.tensor(pending[2], dtype=torch.float64),
-            ([float(value) for value in pending[3][0]], [bool(flag) for flag in pending[3][1]]))
+            ([float(value) for value in pending[3][0]], [bool(flag) for flag in pending[3][1]]),
+            None if len(pending) < 5 or pending[4] is None else torch.tensor(pending[4], dtype=torch.float64))
         if not state.get("surprise_weighted", False):
             # a checkpoint from before the spike histograms held surprise_weight · |x|: thresholds read from |x|
             # would judge w · |x| up to 1.67-fold tighter; start over, carrying them as uncalibrated ones (restart)

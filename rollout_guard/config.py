@@ -204,6 +204,28 @@ class GuardConfig:
     spike threshold is set (the healthy ``x`` quantile at 1 − budget / 1000 / tokens per sample in the bucket).
     Default 0.5 (half the goal of ≤ 1 false quarantine per 1,000)."""
 
+    changepoint_budget: float | None = 0.0002
+    """share of the kept samples' scores, from which the threshold of rule ``changepoint`` is read: a sample fires
+    where its change-point log likelihood ratio (:func:`rollout_guard.changepoint.changepoint_score`, against the
+    calibration's per-bucket centre and spread) exceeds the ``1 − changepoint_budget`` point of the scores of the
+    samples kept by the other rules (:func:`rollout_guard.calibration.changepoint_threshold`), never above
+    ln 1000 (:data:`rollout_guard.calibration.CHANGEPOINT_CEILING`, where it sits until
+    :data:`rollout_guard.calibration.MIN_CHANGEPOINT_ROWS` such samples were scored with the same buckets read). For
+    corruption that starts late in a row and lags by a few nats on each token after: what per-token rarity and the
+    drift CUSUM miss under a heavy healthy tail. Only when the guard is told the sampling settings (as the
+    calibrated drift threshold) and ``compare_on_engine_support`` is on: without it a top-k renormalisation offset,
+    which varies from token to token, is part of the noise the rule takes as Gaussian (measured: false quarantines
+    7 → 23 of 122,368, the llama top_k = 20 run at 0.59 %). ``None``: off. Default 0.0002, from the fidelity
+    benchmark (1,000 faults per condition unless said; ``benchmarks/results-2026-12-04-thirtysecond/``), off → on:
+    late onset missed 12 → 7 of 27,000 (seed 1: 9 → 2; phase 2 dense: 12 → 7; 4,000 faults: 25 → 8 and 24 → 10 of
+    108,000), moderate ones at 4,000 faults 5 → 0 and 2 → 0, real context swaps 7 → 6; false quarantines 6 → 6
+    (seed 1 6 → 6, 4,000 faults 5 → 5 and 7 → 8, worst 0.037 %); flagged judgements of resampled healthy rows
+    27 → 45 of 888,995 (15 distinct rows of 117,987; worst condition 0.039 %); cells at the goal 198 → 198 of 217
+    (seed 1 197 → 198, 4,000 faults 198 → 199 and 197 → 198: the hybrid-7B-tail late-onset cells). The
+    twenty-eighth session's prototype read 0.0005 over 0.25-nat bins; 0.0002 was the budget its 4,000-row runs
+    reached those cells at (thirty-first session). Costs 1–3 ms per step on an H200 beside the guard's 1 ms
+    (``benchmarks/results-2026-12-04-thirtysecond/changepoint_speed.py``)."""
+
     calibration_warmup_tokens: int = 20_000
     """tokens. A bucket's calibration is used once this many (decayed) kept tokens have fed its histograms (after
     the :data:`rollout_guard.calibration.CENTRE_WARMUP_TOKENS` that set its centre); before, the fixed thresholds
@@ -361,6 +383,10 @@ class GuardConfig:
         if not (_is_number(self.false_alarm_budget) and 0 < self.false_alarm_budget < 1000):
             raise GuardConfigError("false_alarm_budget", self.false_alarm_budget,
                                    "use expected false firings per 1,000 clean samples, in (0, 1000)")
+        if self.changepoint_budget is not None and not (_is_number(self.changepoint_budget)
+                                                        and 0 < self.changepoint_budget < 1):
+            raise GuardConfigError("changepoint_budget", self.changepoint_budget,
+                                   "use a share of clean samples in (0, 1), e.g. 0.0002, or None to turn it off")
         if not (isinstance(self.calibration_warmup_tokens, int) and not isinstance(self.calibration_warmup_tokens, bool)
                 and self.calibration_warmup_tokens >= 1):
             raise GuardConfigError("calibration_warmup_tokens", self.calibration_warmup_tokens,

@@ -34,9 +34,10 @@ from rollout_guard.verdict import RULES
 _KERNEL_COLUMNS = ("tokens", "compared_tokens", "max_abs_delta", "mean_abs_delta", "seq_log_ratio", "kl_k3",
                    "engine_max_logprob", "engine_mean_logprob", "trainer_max_logprob", "trainer_mean_logprob",
                    "confident_wrong_tokens", "first_divergent_token", "nonfinite_engine_tokens",
-                   "nonfinite_trainer_tokens", "injected", "spike_margin", "drift_cusum", "drift_start")
+                   "nonfinite_trainer_tokens", "injected", "spike_margin", "drift_cusum", "drift_start",
+                   "changepoint_score")
 _KERNEL_RULES = ("nonfinite_engine", "nonfinite_trainer", "token_spike", "mean_drift", "confident_wrong",
-                 "directional_spike", "drift")
+                 "directional_spike", "drift", "changepoint")
 _KERNEL_AGGREGATES = ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens",
                       "nonfinite_trainer_tokens", "max_abs_delta", "engine_max_logprob", "trainer_max_logprob",
                       "kept_max_abs_delta", "mean_abs_delta_num", "mean_abs_delta_den", "kl_k3_num", "kl_k3_den",
@@ -73,7 +74,7 @@ def _threshold(value: float | int | None) -> float:
 
 def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[float], ...],
                       device: torch.device | str, drift_threshold: float | None = None,
-                      scaling: RowScaling | None = None) -> torch.Tensor:
+                      scaling: RowScaling | None = None, changepoint_threshold: float | None = None) -> torch.Tensor:
     """Everything the kernel reads besides the tokens, as one float32 table on ``device`` (one copy per
     calibration update): the per-bucket thresholds (centre, allowance, spike, unlikely spike, whether the spike rules
     read the surprise-weighted |x|; 20), the config's token
@@ -81,9 +82,10 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
     step clip of tokens no side found likely (2), the drift rule's joint limit (−``joint_margin``, +inf if off) and
     weight (2), the |Δ| and |x| histogram edges as the reference compares them
     (float32), then how the spike thresholds move with a row's candidates (4 slopes, the floor, the mean row's
-    candidates: :func:`rollout_guard.statistics.spike_per_row`). ``thresholds``: tensors or the calibration's
-    lists of floats; ``drift_threshold``: the calibrated drift threshold in use (nats; default
-    ``config.drift_threshold``); ``scaling``: ``None``, every row alike."""
+    candidates: :func:`rollout_guard.statistics.spike_per_row`), and the ``changepoint`` rule's threshold (+inf:
+    it does not judge). ``thresholds``: tensors or the calibration's lists of floats; ``drift_threshold``: the
+    calibrated drift threshold in use (nats; default ``config.drift_threshold``); ``scaling``: ``None``, every row
+    alike."""
     drift = config.drift_threshold if config.drift_threshold is None or drift_threshold is None else drift_threshold
     values = [float(v) for t in thresholds for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     values += [float(config.confident_logprob), float(config.doubtful_logprob), float(config.divergence_delta),
@@ -96,7 +98,8 @@ def kernel_parameters(config: GuardConfig, thresholds: Thresholds | tuple[list[f
     assert len(values) == 40
     rows = ([0.0] * NUM_ENGINE_BUCKETS + [0.0, 1.0] if scaling is None
             else [float(v) for v in scaling.slope.tolist()] + [float(scaling.floor), float(scaling.candidates)])
-    return to_device(torch.tensor(values + _EDGE_VALUES + rows, dtype=torch.float32), device)
+    changepoint = [_threshold(changepoint_threshold if config.changepoint_budget is not None else None)]
+    return to_device(torch.tensor(values + _EDGE_VALUES + rows + changepoint, dtype=torch.float32), device)
 
 
 def with_centres(table: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
@@ -124,14 +127,17 @@ def _empty_packet(batch: int, device: str) -> torch.Tensor:
 def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | torch.Tensor,
                  block: int = BLOCK,
                  num_warps: int = NUM_WARPS, histograms: bool = True,
-                 drift_threshold: float | None = None) -> torch.Tensor:
+                 drift_threshold: float | None = None, changepoint: torch.Tensor | None = None,
+                 changepoint_threshold: float | None = None) -> torch.Tensor:
     """The packet of :func:`rollout_guard.packet.reference_packet`, from one kernel launch (status 1, check
     flag 0). Needs Triton; runs on CUDA tensors (or on CPU tensors in Triton's interpreter). ``thresholds``: the
     calibration's thresholds, or their :func:`kernel_parameters` table (what the guard caches between updates).
     ``block``: tokens per block of a row (a power of two ≥ 16; tests use small blocks to cross block boundaries
     cheaply). ``histograms=False`` skips both histograms (a wrong packet: for timing the kernel's parts only).
     ``drift_threshold``: the calibrated drift threshold in use (nats; default ``config.drift_threshold``; ignored
-    when ``thresholds`` is already a parameter table)."""
+    when ``thresholds`` is already a parameter table). ``changepoint``: (B,) each row's change-point score, for
+    its column and the ``changepoint`` rule (``None``: NaN, not judged); ``changepoint_threshold``: that rule's
+    threshold (ignored when ``thresholds`` is a parameter table, which holds it)."""
     mask = evidence.mask
     batch, length = mask.shape
     device = mask.device
@@ -150,11 +156,14 @@ def fused_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thr
     injected = evidence.injected.to(device) if evidence.injected is not None else mask  # the kernel reads it there
     injected = injected.view(torch.uint8) if injected.dtype == torch.bool else injected
     parameters = (thresholds if isinstance(thresholds, torch.Tensor)
-                  else kernel_parameters(config, thresholds, device, drift_threshold))
+                  else kernel_parameters(config, thresholds, device, drift_threshold,
+                                         changepoint_threshold=changepoint_threshold))
+    score = changepoint.contiguous() if changepoint is not None else parameters  # the kernel reads it there
     _kernel()[(batch,)](
-        mask, engine, trainer, injected, parameters, out, length, batch, mask.stride(0), engine.stride(0),
+        mask, engine, trainer, injected, score, parameters, out, length, batch, mask.stride(0), engine.stride(0),
         trainer.stride(0),
         HAS_ENGINE=evidence.has_engine, HAS_TRAINER=evidence.has_trainer, HAS_INJECTED=evidence.injected is not None,
+        HAS_SCORE=changepoint is not None,
         SPIKE_RULE=config.spike_excess is not None, NUM_DELTA=NUM_DELTA_BINS, NUM_EXCESS=NUM_EXCESS_BINS,
         CAL_WIDTH=CALIBRATION_WIDTH, WIDTH=len(SAMPLE_COLUMNS), BLOCK=block, HISTOGRAMS=histograms, num_warps=num_warps,
     )

@@ -27,6 +27,7 @@ from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard import fused_statistics
 from rollout_guard.calibration import Calibration
+from rollout_guard.changepoint import changepoint_score
 from rollout_guard.packet import (PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet,
     step_metrics)
 from rollout_guard.statistics import (
@@ -64,6 +65,7 @@ class StepReport:
     stop_training: str | None = None
     check_failed_on: list[int] = field(default_factory=list)  # ranks whose adapter check failed (see inspect)
     drift_threshold: float | None = None  # nats: the drift threshold this step was judged with (calibrated)
+    changepoint_threshold: float | None = None  # ln Λ: the changepoint rule's this step (None: it did not judge)
 
     @property
     def any_quarantined(self) -> bool:
@@ -131,10 +133,11 @@ class RolloutGuard:
         self.sampling: tuple | None = None  # the sampling settings the calibration was learned under
         self.calibration_resets = 0
         self.last_guard_seconds = 0.0
-        self._kernel_parameters: tuple | None = None  # (thresholds, drift threshold, their kernel table on the device)
+        self._kernel_parameters: tuple | None = None  # (thresholds, drift and changepoint thresholds, their kernel table)
         self._judged_drift: float | None = None  # nats: the drift threshold of the last packet built
+        self._judged_changepoint: float | None = None  # ln Λ: the changepoint threshold of the last packet built
         self._judged_with: tuple | None = None  # the centres and centred flags it was built with (Calibration)
-        self._metrics_cache: tuple | None = None  # (thresholds, drift threshold, resets, their metrics)
+        self._metrics_cache: tuple | None = None  # (thresholds, drift and changepoint thresholds, resets, metrics)
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
@@ -222,14 +225,27 @@ class RolloutGuard:
                                                  self.calibration.spike_floor())
         self._judged_drift = self.calibration.drift_threshold_value()
         self._judged_with = self.calibration.judged_with()
+        score = self._changepoint_score(evidence)
         if fused:
             table = self._kernel_table(evidence.device)
             table = table if shift is None else fused_statistics.with_centres(table, thresholds)
-            packet = fused_statistics.fused_packet(evidence, self.config, table)
+            packet = fused_statistics.fused_packet(evidence, self.config, table, changepoint=score)
         else:
             packet = reference_packet(evidence, self.config, thresholds, self._judged_drift,
-                                      self.calibration.row_scaling(evidence.device))
+                                      self.calibration.row_scaling(evidence.device), score, self._judged_changepoint)
         return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
+
+    def _changepoint_score(self, evidence: RolloutEvidence) -> torch.Tensor | None:
+        """(B,) each row's change-point score on the evidence's device (no host sync), when the ``changepoint``
+        rule judges this step (:meth:`Calibration.changepoint_threshold_value`) and both sides' logprobs are
+        there; sets the threshold it is judged with (``None``: not judged)."""
+        threshold = self.calibration.changepoint_threshold_value()
+        if threshold is None or not (evidence.has_engine and evidence.has_trainer):
+            self._judged_changepoint = None
+            return None
+        self._judged_changepoint = threshold
+        centre, spread = self.calibration.changepoint_noise(evidence.device)
+        return changepoint_score(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask, centre, spread)
 
     def _settle_calibration(self) -> None:
         """The previous step's calibration update (:meth:`Calibration.defer`), the thresholds read from it and,
@@ -245,12 +261,13 @@ class RolloutGuard:
         """The fused kernel's parameter table for the calibration's current thresholds on ``device``: built once
         per calibration update (:func:`fused_statistics.kernel_parameters`, a non-blocking copy), then reused."""
         values = self.calibration.threshold_values()  # the same object until the next update
-        drift = self.calibration.drift_threshold_value()
+        # the changepoint threshold: where no score is computed the kernel reads NaN, which never fires
+        readings = (self.calibration.drift_threshold_value(), self.calibration.changepoint_threshold_value())
         cached = self._kernel_parameters
-        if cached is None or cached[0] is not values or cached[1] != drift or cached[2].device != device:
-            table = fused_statistics.kernel_parameters(self.config, values, device, drift,
-                                                       self.calibration.row_scaling())
-            cached = (values, drift, table)
+        if cached is None or cached[0] is not values or cached[1] != readings or cached[2].device != device:
+            table = fused_statistics.kernel_parameters(self.config, values, device, readings[0],
+                                                       self.calibration.row_scaling(), readings[1])
+            cached = (values, readings, table)
             self._kernel_parameters = cached
         return cached[2]
 
@@ -285,6 +302,7 @@ class RolloutGuard:
             local_quarantined=local_quarantined,
             check_failed_on=[rank for rank, (_, flag) in enumerate(head) if flag],
             drift_threshold=self._judged_drift,
+            changepoint_threshold=self._judged_changepoint,
         )
         report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
                                       summed[: NUM_DELTA_BINS].tolist(), self.config.quarantines)
@@ -296,8 +314,13 @@ class RolloutGuard:
         # of healthy rows in a dense-7B-tail stream); the ceiling bounds what corruption can do to it
         seen = (reasons_host & ~RULE_BIT["drift"]) == 0
         kept_drift = report.samples[seen, COLUMN["drift_cusum"]]  # the global batch: the same on every rank
+        # likewise the change-point reading sees the rows the changepoint rule alone flagged
+        kept_changepoint = None
+        if self._judged_changepoint is not None:
+            scored = (reasons_host & ~RULE_BIT["changepoint"]) == 0
+            kept_changepoint = report.samples[scored, COLUMN["changepoint_score"]]
         # applied while the next step's packet is computed (Calibration.defer): off the host's critical path
-        self.calibration.defer(calibration, float(summed[-1]), kept_drift, self._judged_with)
+        self.calibration.defer(calibration, float(summed[-1]), kept_drift, self._judged_with, kept_changepoint)
         report.metrics.update(self._calibration_metrics())
         report.alerts = self.alerts.check(step, report.metrics)
         self._circuit_breaker(report)
@@ -367,14 +390,15 @@ class RolloutGuard:
     def _calibration_metrics(self) -> dict[str, float]:
         """The thresholds the next step will use, per engine bucket (nats); read once per calibration update."""
         values = self.calibration.threshold_values()  # the same object until the next update
-        drift = self.calibration.drift_threshold_value()
+        readings = (self.calibration.drift_threshold_value(), self.calibration.changepoint_threshold_value())
         cached = self._metrics_cache
-        if cached is not None and cached[0] is values and cached[1] == drift and cached[2] == self.calibration_resets:
+        if cached is not None and cached[0] is values and cached[1] == readings and cached[2] == self.calibration_resets:
             return cached[3]
         centre, _, spike, unlikely, _ = values
         metrics = {"calibrated_buckets": float(sum(self.calibration.calibrated_flags())),
                    "calibration_resets": float(self.calibration_resets),
-                   "calibration/drift_threshold": drift if drift is not None else math.nan}
+                   "calibration/drift_threshold": readings[0] if readings[0] is not None else math.nan,
+                   "calibration/changepoint_threshold": readings[1] if readings[1] is not None else math.nan}
         # the spread of the run's own mismatch by the engine's confidence (where its noise lives: the fidelity
         # benchmark's --noise-shape); NaN until a bucket's centre is set
         spread = [math.sqrt(v) if own else math.nan
@@ -385,7 +409,7 @@ class RolloutGuard:
             metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
         # the other buckets have (almost) no such tokens; NaN while they are not judged (+inf): a metric with no data
         metrics["calibration/unlikely_spike_b0"] = unlikely[0] if math.isfinite(unlikely[0]) else math.nan
-        self._metrics_cache = (values, drift, self.calibration_resets, metrics)
+        self._metrics_cache = (values, readings, self.calibration_resets, metrics)
         return metrics
 
     def _update_totals(self, report: StepReport) -> None:

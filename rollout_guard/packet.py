@@ -222,13 +222,16 @@ def reanchor(packet: torch.Tensor, layout: PacketLayout, shift: torch.Tensor) ->
 
 
 def reference_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
-                     drift_threshold: float | None = None, scaling: RowScaling | None = None) -> torch.Tensor:
+                     drift_threshold: float | None = None, scaling: RowScaling | None = None,
+                     changepoint: torch.Tensor | None = None,
+                     changepoint_threshold: float | None = None) -> torch.Tensor:
     """The packet from the pure-torch statistics (:func:`summarise`) and verdict (:func:`judge`), on the
     evidence's device; status 1 and check flag 0 (the caller sets the flag). ``drift_threshold``: the calibrated
     one in use (nats; default ``config.drift_threshold``); ``scaling``: each row's own spike threshold
-    (:func:`rollout_guard.statistics.spike_per_row`)."""
-    samples, histogram, contribution = summarise(evidence, config, thresholds, scaling)
-    verdict = judge(samples, config, drift_threshold)
+    (:func:`rollout_guard.statistics.spike_per_row`); ``changepoint``: (B,) each row's change-point score and
+    ``changepoint_threshold`` the rule's threshold (``None``: not judged)."""
+    samples, histogram, contribution = summarise(evidence, config, thresholds, scaling, changepoint)
+    verdict = judge(samples, config, drift_threshold, changepoint_threshold)
     dtype = packet_dtype(samples.device)
     exact = torch.float32 if samples.device.type == "mps" else torch.float64
     kept = ~verdict.suspect

@@ -36,6 +36,7 @@ SAMPLE_COLUMNS = (
     "spike_margin",  # nats: max over tokens of (|x| − the token's spike threshold); > 0 fires, NaN if none can
     "drift_cusum",  # nats: max over the sequence of the CUSUM of (clip(x) − allowance)
     "drift_start",  # index in the completion where that CUSUM run starts, −1 without a compared token
+    "changepoint_score",  # ln Λ of rollout_guard.changepoint.changepoint_score; NaN where not computed
 )
 COLUMN = {name: index for index, name in enumerate(SAMPLE_COLUMNS)}
 
@@ -495,14 +496,17 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
 
 
 def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds | None = None,
-              scaling: RowScaling | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scaling: RowScaling | None = None,
+              changepoint: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample statistics, (B, len(SAMPLE_COLUMNS)) float32, the |Δ| histogram of the compared tokens,
     (NUM_DELTA_BINS,) int64 counts (exact at any size), and each sample's calibration contribution,
     (B, NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH) float32 (tokens, Σ clip(x), spike candidates and their
     :func:`surprise_weight` · |x| histogram per bucket, and the other tokens' w · |x| histogram), from one pass over
     the token tensors; all stay on the evidence's device.
     ``thresholds``: the calibrated detector thresholds (default: :meth:`Thresholds.fixed`); ``scaling``: how the
-    calibrated spike thresholds move with a row's spike candidates (:func:`spike_per_row`; ``None``: they do not)."""
+    calibrated spike thresholds move with a row's spike candidates (:func:`spike_per_row`; ``None``: they do not);
+    ``changepoint``: (B,) each row's :func:`rollout_guard.changepoint.changepoint_score`, for its column (``None``:
+    NaN, not computed)."""
     evidence = _at_least_one_column(evidence)
     thresholds = thresholds if thresholds is not None else Thresholds.fixed(config, evidence.device)
     valid = evidence.mask.bool()
@@ -566,6 +570,7 @@ def summarise(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresh
         "spike_margin": spike_margin,
         "drift_cusum": torch.where(compared > 0, drift, nan_row),
         "drift_start": torch.where(compared > 0, drift_start, torch.full_like(drift_start, -1)),
+        "changepoint_score": changepoint if changepoint is not None else nan_row,
     }
     samples = torch.stack([columns[name].to(torch.float32) for name in SAMPLE_COLUMNS], dim=-1)
     bins = torch.bucketize(abs_delta, _edges_on("delta", abs_delta.dtype, str(valid.device)), right=True) - 1

@@ -14,7 +14,7 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.statistics import COLUMN
 
 RULES = ("nonfinite_engine", "nonfinite_trainer", "token_spike", "mean_drift", "confident_wrong", "directional_spike",
-         "drift")
+         "drift", "changepoint")
 RULE_BIT = {name: 1 << index for index, name in enumerate(RULES)}
 
 
@@ -23,11 +23,13 @@ class Verdict(NamedTuple):
     reasons: torch.Tensor  # (N,) int32 bitmask over RULES
 
 
-def rule_firings(samples: torch.Tensor, config: GuardConfig,
-                 drift_threshold: float | torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def rule_firings(samples: torch.Tensor, config: GuardConfig, drift_threshold: float | torch.Tensor | None = None,
+                 changepoint_threshold: float | torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """(N,) bool per enabled rule. ``drift_threshold``: the drift threshold in use (nats; a number or one per
     sample), i.e. the calibrated one (:meth:`rollout_guard.calibration.Calibration.drift_threshold_value`);
-    default ``config.drift_threshold``."""
+    default ``config.drift_threshold``. ``changepoint_threshold``: the ``changepoint`` rule's in use (ln Λ; a
+    number or one per sample, +inf or ``None`` where it does not judge:
+    :meth:`rollout_guard.calibration.Calibration.changepoint_threshold_value`)."""
     column = {name: samples[:, index] for name, index in COLUMN.items()}
     firings: dict[str, torch.Tensor] = {}
     if config.nonfinite_engine_tokens is not None:
@@ -48,13 +50,16 @@ def rule_firings(samples: torch.Tensor, config: GuardConfig,
         if config.joint_drift_limit is not None:  # both near: NaN margins never fire
             joint = column["spike_margin"] + config.joint_drift_weight * (column["drift_cusum"] - threshold)
             firings["drift"] |= joint > config.joint_drift_limit
+    if config.changepoint_budget is not None and changepoint_threshold is not None:  # NaN, −inf never fire
+        firings["changepoint"] = column["changepoint_score"] > changepoint_threshold
     return firings
 
 
-def judge(samples: torch.Tensor, config: GuardConfig, drift_threshold: float | torch.Tensor | None = None) -> Verdict:
-    """The verdict of every sample (``drift_threshold``: as :func:`rule_firings`)."""
+def judge(samples: torch.Tensor, config: GuardConfig, drift_threshold: float | torch.Tensor | None = None,
+          changepoint_threshold: float | torch.Tensor | None = None) -> Verdict:
+    """The verdict of every sample (the thresholds: as :func:`rule_firings`)."""
     reasons = torch.zeros(samples.shape[0], dtype=torch.int32, device=samples.device)
-    for name, fired in rule_firings(samples, config, drift_threshold).items():
+    for name, fired in rule_firings(samples, config, drift_threshold, changepoint_threshold).items():
         reasons |= fired.to(torch.int32) * RULE_BIT[name]
     return Verdict(suspect=reasons != 0, reasons=reasons)
 

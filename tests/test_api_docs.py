@@ -13,7 +13,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 CORE_MODULES = (
     "config", "errors", "evidence", "guard", "records", "store", "sinks", "console", "extras", "action", "statistics",
     "verdict", "alerts", "injection", "charts", "report", "calibration", "selection", "writer", "packet",
-    "fused_statistics", "engine_view", "support",
+    "fused_statistics", "engine_view", "support", "changepoint",
 )
 
 

@@ -241,7 +241,36 @@ def case_joint_drift(fused):
     assert_same_packet(reference_packet(evidence, off, CALIBRATED), fused(evidence, off, CALIBRATED, block=BLOCK), 3)
 
 
+def case_changepoint(fused):
+    """The change-point score, computed beside the kernel, reaches its column and the ``changepoint`` rule: a
+    0.4-nat lag over a row's last 60 tokens (below the spike and drift thresholds) fires it at its threshold and
+    not with the rule off; a row with no read token (score −inf) and a NaN score never fire."""
+    from rollout_guard.changepoint import changepoint_score
+    from rollout_guard.fused_statistics import kernel_parameters
+
+    config = GuardConfig(changepoint_budget=0.001)
+    generator = torch.Generator().manual_seed(8)
+    engine = -0.2 - 0.25 * torch.rand(6, 150, generator=generator)  # bucket 3, where the surprise weight is ~1
+    trainer = engine - 0.05 - 0.2 * torch.randn(6, 150, generator=generator)
+    trainer[0, 90:] -= 0.4
+    engine[5], trainer[5] = -6.0, -6.05  # no token read: −inf
+    evidence = RolloutEvidence(mask=torch.ones(6, 150, dtype=torch.long), engine_logprobs=engine,
+                               trainer_logprobs=trainer)
+    score = changepoint_score(engine, trainer, evidence.mask, CALIBRATED.centre, torch.tensor([0.0, 0.3, 0.3, 0.2]))
+    score[4] = math.nan
+    layout = PacketLayout(6)
+    reference = reference_packet(evidence, config, CALIBRATED, changepoint=score, changepoint_threshold=3.0)
+    assert reference[layout.reasons].tolist() == [128.0, 0.0, 0.0, 0.0, 0.0, 0.0], reference[layout.reasons]
+    assert reference_packet(evidence, config, CALIBRATED)[layout.reasons].tolist() == [0.0] * 6
+    table = kernel_parameters(config, CALIBRATED, "cpu", changepoint_threshold=3.0)
+    assert_same_packet(reference, fused(evidence, config, table, block=BLOCK, changepoint=score), 6)
+    off = reference_packet(evidence, config, CALIBRATED, changepoint=score)  # scored, not judged
+    assert off[layout.reasons].tolist() == [0.0] * 6
+    assert_same_packet(off, fused(evidence, config, CALIBRATED, block=BLOCK, changepoint=score), 6)
+
+
 CASES = {
+    "the change-point rule": case_changepoint,
     "the drift rule's joint part": case_joint_drift,
     "mixed batch, fixed thresholds": lambda fused: case_mixed_batch(fused, "fixed"),
     "mixed batch, calibrated thresholds": lambda fused: case_mixed_batch(fused, "calibrated"),

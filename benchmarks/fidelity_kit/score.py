@@ -93,9 +93,11 @@ class Judged:
     tokens: list[torch.Tensor] = field(default_factory=list)  # (n,) tokens per row
     drift: list[torch.Tensor] = field(default_factory=list)  # (n,) the drift threshold each row was judged with
     origin: list[torch.Tensor] = field(default_factory=list)  # (n,) long: the clean row judged (−1: a fault, unknown)
+    changepoint: list[torch.Tensor] = field(default_factory=list)  # (n,) the changepoint threshold (+inf: none)
 
     def add(self, samples: torch.Tensor, suspect: torch.Tensor, labels: list[str], counted: torch.Tensor,
-            tokens: torch.Tensor, drift_threshold: float | None = None, origin: torch.Tensor | None = None) -> None:
+            tokens: torch.Tensor, drift_threshold: float | None = None, origin: torch.Tensor | None = None,
+            changepoint_threshold: float | None = None) -> None:
         self.samples.append(samples)
         self.origin.append(origin.long() if origin is not None else torch.full((len(labels),), -1, dtype=torch.long))
         self.suspect.append(suspect)
@@ -104,6 +106,8 @@ class Judged:
         self.tokens.append(tokens)
         self.drift.append(torch.full((len(labels),), math.inf if drift_threshold is None else drift_threshold,
                                      dtype=torch.float64))
+        self.changepoint.append(torch.full((len(labels),), math.inf if changepoint_threshold is None
+                                           else changepoint_threshold, dtype=torch.float64))
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor, torch.Tensor]:
         labels = [label for step in self.label for label in step]
@@ -117,6 +121,10 @@ class Judged:
     def drift_thresholds(self) -> torch.Tensor:
         """(N,) float64 nats: the (calibrated) drift threshold each row was judged with."""
         return torch.cat(self.drift)
+
+    def changepoint_thresholds(self) -> torch.Tensor:
+        """(N,) float64 ln Λ: the ``changepoint`` threshold each row was judged with (+inf: not judged)."""
+        return torch.cat(self.changepoint)
 
 
 def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, device: str = "cpu") -> RolloutEvidence:
@@ -200,7 +208,8 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         state = guard.state_dict() if feed is not None else None
         report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step, sampling=sampling)
         origin = torch.cat([index, torch.full((len(labels) - len(fill),), -1, dtype=torch.long)])
-        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.drift_threshold, origin)
+        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.drift_threshold, origin,
+                   report.changepoint_threshold)
         if state is not None:
             guard.load_state_dict(state)
             count = len(labels) - len(fill)  # spread over the step's faults (they come grouped by kind), turning
@@ -252,7 +261,7 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
     quarantines among the judgements of resampled clean rows (each row judged again in later steps)."""
     samples, verdict, labels, counted, tokens = judged.rows()
     origin = judged.origins()
-    firings = rule_firings(samples, config, judged.drift_thresholds())
+    firings = rule_firings(samples, config, judged.drift_thresholds(), judged.changepoint_thresholds())
     out: dict[str, dict] = {}
     for name in sorted(set(labels)):
         rows = torch.tensor([label == name for label in labels]) & counted

@@ -1,0 +1,120 @@
+"""Evidence → statistics: the change-point likelihood ratio of a row, for corruption that starts late.
+
+Late-onset stale-state corruption leaves a row's first tokens healthy and then makes every later token lag: the
+trainer finds it less likely than the engine did, by a few nats. Per-token rarity (the spike rules) misses the rows
+whose lagging tokens stay inside the healthy tail, and a CUSUM (the drift rule) needs its allowance per token. This
+statistic weighs the whole row against the run's own per-bucket noise instead: the log of the likelihood ratio of
+"the tokens from some onset on lag" against "every token is healthy noise", with the onset and the lag's size not
+known (averaged over), and the noise the calibration's (a Gaussian per engine bucket, with the centre and spread
+read from kept tokens).
+
+Measured on the fidelity benchmark (``benchmarks/results-2026-12-03-twentyeighth/`` to
+``…-2026-12-04-thirtysecond/``): under the hybrid-7B tail model, where the guard's own rules miss 3–12 of 4,000
+late-onset rows, the test read at 0.1 % of clean rows catches 99.78–100 % of them with per-bucket noise read from the
+guard's four engine buckets (99.88–100 % with 13 0.25-nat bins).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from rollout_guard.statistics import ENGINE_BUCKET_EDGES, engine_bucket, to_device
+
+# nats: the lag D that a corrupted row's onset token has, D ~ U(1, 10), as 12 midpoints (the average over D is
+# taken over these); after the onset, every token lags by a gap uniform on [MIN_GAP, D]
+LAGS = tuple(1.0 + 0.75 * (k + 0.5) for k in range(12))
+MIN_GAP = 0.1  # nats
+_HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
+
+
+@functools.cache
+def _lags_on(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """:data:`LAGS` on a device, copied once (a copy per step would be a host sync each)."""
+    return to_device(torch.tensor(LAGS, dtype=dtype), device)
+
+
+def _log_ndtr_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """ln(Φ(a) − Φ(b)) for a > b, from the side of the smaller tail (no cancellation far out): with
+    ``c = −|b|``, ``ln Φ(a) + ln(1 − Φ(b)/Φ(a))`` where ``b ≤ 0`` and ``ln Φ(−b) + ln(1 − Φ(−a)/Φ(−b))`` where
+    ``b > 0``, both from one ``ln Φ(c)`` on ``b``'s shape (``a`` may broadcast: its two logs are on its own).
+
+    >>> round(float(_log_ndtr_difference(torch.tensor(0.0), torch.tensor(-40.0))), 6)  # ln ½
+    -0.693147
+    >>> round(float(_log_ndtr_difference(torch.tensor(41.0), torch.tensor(40.0))), 1)  # far out: no −inf
+    -804.6
+    """
+    ln = torch.special.log_ndtr
+    tail = ln(-b.abs())  # ln Φ(b) where b ≤ 0, ln Φ(−b) where b > 0
+    upper = b > 0
+    high = torch.where(upper, tail, ln(a))
+    low = torch.where(upper, ln(-a), tail)
+    return high + torch.log1p(-torch.exp(low - high).clamp(max=1 - 1e-7))
+
+
+def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.Tensor, centre: torch.Tensor,
+                      spread: torch.Tensor) -> torch.Tensor:
+    """Each row's ln Λ, the log likelihood ratio of a lag that starts at some token against healthy noise.
+
+    With ``d = engine − trainer`` and ``z = (d − μ_k)/σ_k`` on a read token of engine bucket ``k`` (healthy noise
+    N(μ_k, σ_k²): ``centre`` and ``spread``), an onset at token ``τ`` with lag ``D`` gives the onset token the
+    density of ``d − D`` and every later token that of ``d − g``, ``g ~ U(0.1, D)``. Each token's log density
+    ratio against healthy noise:
+
+    .. math::
+        \\ell^{\\text{first}}_{t,D} = \\tfrac12 z_t^2 - \\tfrac12 (z_t - D/\\sigma_t)^2, \\qquad
+        \\ell^{\\text{later}}_{t,D} = \\ln\\frac{\\Phi(z_t - 0.1/\\sigma_t) - \\Phi(z_t - D/\\sigma_t)}{D - 0.1}
+            + \\ln(\\sigma_t\\sqrt{2\\pi}) + \\tfrac12 z_t^2
+
+    and, averaging over the ``n`` read tokens as onsets and the 12 lags of :data:`LAGS`,
+
+    .. math:: \\ln\\Lambda = \\ln \\frac{1}{12\\,n} \\sum_{\\tau, D}
+              \\exp\\Big(\\ell^{\\text{first}}_{\\tau,D} + \\sum_{t > \\tau} \\ell^{\\text{later}}_{t,D}\\Big)
+
+    A token is read where it is in ``valid``, both logprobs are finite, the engine put it at −3 nats or above
+    (below, healthy large-model tails live: :data:`ENGINE_BUCKET_EDGES`) and its bucket's ``spread`` is > 0 (0:
+    not known yet). Under the noise the test assumes, E[Λ] = 1 on healthy rows, so ln Λ > ln(1/α) fires on at
+    most α of them (Markov); the guard reads its threshold from the kept rows' scores instead
+    (:func:`rollout_guard.calibration.changepoint_threshold`).
+
+    Args:
+        engine, trainer: (B, T) logprobs (nats).
+        valid: (B, T) bool: tokens in the loss.
+        centre, spread: (NUM_ENGINE_BUCKETS,) μ_k and σ_k (nats), on the tokens' device.
+    Returns:
+        (B,) float32 ln Λ; −inf for a row with no read token.
+
+    >>> centre, spread = torch.zeros(4), torch.tensor([0.0, 0.3, 0.3, 0.3])
+    >>> engine = torch.full((3, 40), -0.2); valid = torch.ones(3, 40, dtype=torch.bool)
+    >>> healthy = engine - 0.3 * torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    >>> late = healthy.clone(); late[1, 25:] -= 0.6  # the trainer finds the last 15 tokens 0.6 nats less likely
+    >>> late[2] = -9.0; late[2, 25:] = engine[2, 25:] - 0.6; engine[2, :25] = -5.0  # the same, first part unread
+    >>> [round(v, 1) for v in changepoint_score(engine, late, valid, centre, spread).tolist()]
+    [-14.0, 25.3, 13.6]
+    >>> changepoint_score(engine, late, valid, centre, torch.zeros(4)).tolist()  # no bucket known: nothing read
+    [-inf, -inf, -inf]
+    """
+    engine, trainer = engine.float(), trainer.float()
+    read = valid.bool() & torch.isfinite(engine) & torch.isfinite(trainer) & (engine >= ENGINE_BUCKET_EDGES[0])
+    engine = torch.where(read, engine, torch.full_like(engine, -1.0))
+    trainer = torch.where(read, trainer, torch.full_like(trainer, -1.0))
+    bucket = engine_bucket(engine)
+    sd = spread.to(engine)[bucket]
+    read &= sd > 0
+    sd = torch.where(read, sd, torch.ones_like(sd))
+    z = ((engine - trainer - centre.to(engine)[bucket]) / sd).unsqueeze(-1)  # (B, T, 1)
+    s = sd.unsqueeze(-1)
+    lags = _lags_on(engine.dtype, str(engine.device))  # (L,)
+    healthy = 0.5 * z * z
+    shifted = z - lags / s  # (B, T, L)
+    later = (_log_ndtr_difference(z - MIN_GAP / s, shifted) - torch.log(lags - MIN_GAP) + torch.log(s)
+             + _HALF_LOG_TWO_PI + healthy)
+    first = healthy - 0.5 * shifted * shifted
+    later = torch.where(read.unsqueeze(-1), later, torch.zeros_like(later))
+    after = later.flip(1).cumsum(1).flip(1) - later  # Σ over the read tokens after each one
+    total = torch.where(read.unsqueeze(-1), first + after, torch.full_like(first, -math.inf))
+    count = read.sum(-1).float() * len(LAGS)
+    score = torch.logsumexp(total.flatten(1), dim=-1) - torch.log(count.clamp(min=1.0))
+    return torch.where(count > 0, score, torch.full_like(score, -math.inf))

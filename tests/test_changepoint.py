@@ -1,0 +1,148 @@
+"""The ``changepoint`` rule: its score against an independent float64 form of the statistic, its threshold read
+from the kept rows, what it catches that the other rules miss, and what it leaves alone."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_guard import GuardConfig, GuardConfigError, RolloutEvidence, RolloutGuard
+from rollout_guard.calibration import CHANGEPOINT_CEILING, NUM_CHANGEPOINT_BINS, changepoint_threshold
+from rollout_guard.changepoint import changepoint_score
+from rollout_guard.statistics import COLUMN, ENGINE_BUCKET_EDGES
+from rollout_guard.verdict import RULE_BIT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_score_matches_the_benchmark_statistic():
+    """The prototype's float64 ln Λ (``changepoint_every_condition.log_lr``) over the guard's engine buckets."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "results-2026-12-03-twentyeighth"))
+    import changepoint_every_condition as prototype
+
+    generator = torch.Generator().manual_seed(0)
+    engine = -torch.rand(64, 120, generator=generator) * 5
+    trainer = engine - 0.05 - 0.3 * torch.randn(64, 120, generator=generator)
+    trainer[:32, 60:] -= torch.rand(32, 1, generator=generator) * 2  # lags of 0–2 nats from token 60
+    trainer = trainer.clamp(max=-1e-4)  # the prototype skips trainer logprobs at its noise model's clamp
+    valid = torch.rand(64, 120, generator=generator) > 0.1
+    centre, spread = torch.tensor([0.0, 0.05, 0.02, 0.01]), torch.tensor([0.0, 0.4, 0.3, 0.25])
+    edges = torch.tensor(ENGINE_BUCKET_EDGES, dtype=torch.float64)
+    saved = prototype.LEARNED_EDGES
+    prototype.LEARNED_EDGES = edges
+    try:
+        expected = prototype.log_lr(engine.double(), trainer.double(), valid, centre.double(),
+                                    spread.double().clamp(min=1e-9), readable=spread > 0)
+    finally:
+        prototype.LEARNED_EDGES = saved
+    got = changepoint_score(engine, trainer, valid, centre, spread).double()
+    assert torch.isfinite(expected).all() and expected[:32].min() > expected[32:].max() - 50
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-3)
+
+
+def test_threshold_is_a_quantile_of_the_kept_scores():
+    histogram = [0.0] * NUM_CHANGEPOINT_BINS
+    histogram[30] = 2999.0  # [−0.5, −0.25)
+    histogram[36] = 1.0  # [1, 1.25)
+    assert changepoint_threshold(histogram, 3000.0, 0.0002) == 1.25  # 0.6 allowed above: the top row is not
+    assert changepoint_threshold(histogram, 3000.0, 0.001) == -0.25  # 3 allowed above: it is
+    assert changepoint_threshold(histogram, 1999.0, 0.001) == CHANGEPOINT_CEILING  # too few rows
+
+
+def test_a_bad_budget_is_refused_naming_the_field():
+    for bad in (0, 1.0, -0.1, True, "0.001"):
+        with pytest.raises(GuardConfigError, match="changepoint_budget"):
+            GuardConfig(changepoint_budget=bad)
+
+
+def healthy(generator: torch.Generator, rows: int = 256, length: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Engine logprobs over the three judged buckets, the trainer's within Gaussian noise of 0.3 nats."""
+    engine = -torch.rand(rows, length, generator=generator) * 2.9
+    trainer = engine - 0.02 - 0.3 * torch.randn(rows, length, generator=generator)
+    return engine, trainer
+
+
+def evidence(engine: torch.Tensor, trainer: torch.Tensor) -> RolloutEvidence:
+    return RolloutEvidence(mask=torch.ones_like(engine, dtype=torch.long), engine_logprobs=engine,
+                           trainer_logprobs=trainer)
+
+
+def warmed_guard(budget: float | None, steps: int = 14, told: bool = True) -> RolloutGuard:
+    guard = RolloutGuard(GuardConfig(changepoint_budget=budget))
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        report = guard.inspect(evidence(*healthy(generator)), step=step, sampling=(1.0,) if told else None)
+        assert not report.suspect.any(), f"a healthy row flagged at step {step}"
+    return guard
+
+
+def late_batch(lag: float) -> tuple[RolloutEvidence, torch.Tensor]:
+    """256 healthy rows of which 8 lag by ``lag`` nats per token from token 40 (of 64) on."""
+    engine, trainer = healthy(torch.Generator().manual_seed(2))
+    late = torch.zeros(256, dtype=torch.bool)
+    late[::32] = True
+    trainer[late, 40:] -= lag
+    return evidence(engine, trainer), late
+
+
+def test_catches_late_onset_the_other_rules_miss_and_no_healthy_row():
+    with_rule, without = warmed_guard(0.0002), warmed_guard(None)
+    threshold = with_rule.calibration.changepoint_threshold_value()
+    assert threshold is not None and threshold < CHANGEPOINT_CEILING, "read from the kept rows by now"
+    batch, late = late_batch(0.5)  # 1.7 σ per token for 24 tokens: at the drift CUSUM's 0.5-nat allowance
+    report = with_rule.inspect(batch, step=14, sampling=(1.0,))
+    assert report.changepoint_threshold == threshold
+    assert torch.equal(report.suspect, late), report.samples[late | report.suspect, COLUMN["changepoint_score"]]
+    assert ((report.reasons[late] & RULE_BIT["changepoint"]) != 0).all()
+    assert not without.inspect(batch, step=14, sampling=(1.0,)).suspect.any()  # the other rules miss them
+    assert torch.isnan(without.inspect(batch, step=15, sampling=(1.0,)).samples[:, COLUMN["changepoint_score"]]).all()
+
+
+def test_a_small_lag_and_an_isolated_tail_token_are_left_alone():
+    """Borderline negatives: a lag of 0.15 nats (half a σ) over half a row, and one 1.2-nat token in a healthy
+    row, score below the threshold read from the kept rows."""
+    guard = warmed_guard(0.0002)
+    batch, late = late_batch(0.15)
+    batch.trainer_logprobs[1, 40] -= 1.2
+    report = guard.inspect(batch, step=14, sampling=(1.0,))
+    assert not report.suspect.any(), report.samples[report.suspect, COLUMN["changepoint_score"]]
+
+
+def test_not_judged_when_not_told_the_settings():
+    guard = warmed_guard(0.0002, told=False)
+    assert guard.calibration.changepoint_threshold_value() is None
+    batch, _ = late_batch(0.5)
+    report = guard.inspect(batch, step=14)
+    assert report.changepoint_threshold is None
+    assert not (report.reasons & RULE_BIT["changepoint"]).any()
+
+
+def test_the_reading_is_saved_restored_and_restarted():
+    guard = warmed_guard(0.0002)
+    threshold = guard.calibration.changepoint_threshold_value()
+    state = guard.state_dict()
+    copy = RolloutGuard(GuardConfig(changepoint_budget=0.0002))
+    copy.load_state_dict(state)
+    copy.calibration.announced = True
+    assert copy.calibration.changepoint_threshold_value() == threshold
+    batch, _ = late_batch(0.5)
+    assert torch.equal(copy.inspect(batch, step=14, sampling=(1.0,)).reasons,
+                       guard.inspect(batch, step=14, sampling=(1.0,)).reasons)
+    guard.inspect(evidence(*healthy(torch.Generator().manual_seed(3))), step=15, sampling=(0.7,))  # a new setting
+    assert guard.calibration.changepoint_threshold_value() in (None, CHANGEPOINT_CEILING)
+    assert math.isfinite(threshold)
+
+
+def test_not_judged_without_the_engine_support_comparison():
+    """A top-k renormalisation offset varies from token to token: with ``compare_on_engine_support`` off the rule
+    does not judge (measured: it fired on 0.59 % of a top_k = 20 run's healthy rows)."""
+    guard = RolloutGuard(GuardConfig(compare_on_engine_support=False))
+    generator = torch.Generator().manual_seed(1)
+    for step in range(14):
+        guard.inspect(evidence(*healthy(generator)), step=step, sampling=(1.0,))
+    assert guard.calibration.changepoint_threshold_value() is None
+    assert warmed_guard(GuardConfig().changepoint_budget).calibration.changepoint_threshold_value() is not None
