@@ -35,6 +35,7 @@ from benchmarks.fidelity_kit.rollouts import (Rollouts, cat, from_table, padded_
     stitched)
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
 from rollout_guard.config import GuardConfig  # noqa: E402
+from rollout_guard.guard import RolloutGuard  # noqa: E402
 from rollout_guard.errors import GuardConfigError  # noqa: E402
 from rollout_guard.statistics import COLUMN  # noqa: E402
 from rollout_guard.verdict import judge  # noqa: E402
@@ -124,6 +125,7 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False, sti
         keys = sorted(set(zip(of_source.column("temperature").to_pylist(), of_source.column("top_p").to_pylist(),
                               of_source.column("top_k").to_pylist(), strict=True)))
         pooled_clean, pooled_faults = [], {}
+        cut = any(top_k > 0 for _, _, top_k in keys)  # the pooled stream samples some of its steps with top-k
         for temperature, top_p, top_k in keys:
             part = of_source.filter(pc.and_(pc.and_(pc.equal(of_source.column("temperature"), temperature),
                                                     pc.equal(of_source.column("top_p"), top_p)),
@@ -145,7 +147,8 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False, sti
             for fault, rows in real_faults.items():  # in the pooled stream, sampled under this setting
                 pooled_faults.setdefault(fault, []).append(
                     replace(rows, setting=torch.full((len(rows),), len(pooled_clean), dtype=torch.long)))
-            out.append((name, clean, real_faults, lambda rows: rows, {"noise": "real (as measured)", **noise.describe(clean)}))
+            out.append((name, clean, real_faults, lambda rows: rows,
+                        {"noise": "real (as measured)", "top_k_cut": top_k > 0, **noise.describe(clean)}))
             pooled_clean.append(clean)
         if not pooled_clean:
             continue
@@ -160,11 +163,19 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False, sti
             apply = functools.partial(noise.heavy_tail, generator=generator, fitted=fitted)
             achieved = noise.describe(apply(clean))
             out.append((f"{source}/+{profile.name}", clean, real, apply,
-                        {"noise": profile.name, "source": profile.source, **fitted, **achieved}))
+                        {"noise": profile.name, "source": profile.source, "top_k_cut": cut, **fitted, **achieved}))
         apply = functools.partial(noise.topk_high_entropy, generator=generator, same_support=same_support)
         out.append((f"{source}/+topk5_high_entropy", clean, real, apply,
-                    {"noise": "topk5_high_entropy", **noise.describe(apply(clean))}))
+                    {"noise": "topk5_high_entropy", "top_k_cut": True, **noise.describe(apply(clean))}))
     return out
+
+
+def _guard(config: GuardConfig, device: str, per_token_offset: bool) -> RolloutGuard:
+    """The guard of one condition, told whether a top-k cut's offset stays in the trainer's logprobs
+    (``Calibration.per_token_offset``, as the TRL adapter sets it)."""
+    guard = RolloutGuard(config, device=device)
+    guard.calibration.per_token_offset = per_token_offset
+    return guard
 
 
 def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator,
@@ -310,9 +321,12 @@ def main(
                                                               noise_shape):
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
+        # as the TRL adapter: off the engine's support, a top-k cut leaves a per-token offset in the trainer's logprobs
+        per_token_offset = not same_support and params.get("top_k_cut", False)
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
                         mask_truncated=mask_truncated, device=device, announce_sampling=announce_sampling,
-                        warmup_steps=warmup_steps, dense_phase2=dense_phase2)
+                        warmup_steps=warmup_steps, dense_phase2=dense_phase2,
+                        make_guard=functools.partial(_guard, device=device, per_token_offset=per_token_offset))
         judged_all.append(judged)
         f = figures(judged, config)
         results.append({"condition": name, "params": params, "figures": f})

@@ -476,6 +476,10 @@ class Calibration:
         self._fresh_rows = 0.0  # decayed kept samples since the start or the last restart
         self.rows = 0.0  # decayed count of kept samples
         self._announced = False  # told the sampling settings (see the ``announced`` property)
+        # set by the caller: the engine's logprobs are renormalised over a top-k or min-p support and the trainer's
+        # are not compared on it, so the offset in d varies from token to token; the changepoint rule, which takes
+        # each bucket's noise as one Gaussian, does not judge then (the TRL adapter sets it at attach time)
+        self.per_token_offset = False
         self._drift = [0.0] * NUM_EXCESS_BINS  # decayed histogram of kept samples' drift CUSUM
         self._drift_rows = 0.0  # decayed kept samples since the bucket thresholds last changed kind
         self._changepoint = [0.0] * NUM_CHANGEPOINT_BINS  # decayed histogram of kept samples' change-point score
@@ -555,9 +559,10 @@ class Calibration:
         self.settle()  # the step held back belongs to the old settings' calibration
         values, flags = self.threshold_values(), self.calibrated_flags()
         carried = [t if f else c for t, f, c in zip(values[2], flags, self._carried, strict=True)]
-        announced, unlikely = self._announced, self._unlikely
+        announced, unlikely, per_token_offset = self._announced, self._unlikely, self.per_token_offset
         self.__init__(self.config)  # every piece of state, fresh
         self._announced, self._carried, self._unlikely = announced, carried, unlikely
+        self.per_token_offset = per_token_offset
 
     def _unlikely_read(self, calibrated: list[bool], needed: float) -> list[bool]:
         """Per bucket: its threshold for tokens no side found likely is read as in its own setting (calibrated,
@@ -619,12 +624,11 @@ class Calibration:
 
     def changepoint_threshold_value(self) -> float | None:
         """The ``changepoint`` threshold the next step uses (ln Λ; :func:`changepoint_threshold`); ``None``: the
-        rule does not judge (``GuardConfig.changepoint_budget`` is ``None``; or ``compare_on_engine_support`` is
-        off, so that a top-k renormalisation offset, which varies from token to token, is part of d; or the guard
-        is not told the sampling settings; or no bucket's centre is set yet)."""
+        rule does not judge (``GuardConfig.changepoint_budget`` is ``None``; or :attr:`per_token_offset`, a
+        top-k or min-p renormalisation offset that varies from token to token being part of d; or the guard is not
+        told the sampling settings; or no bucket's centre is set yet)."""
         budget = self.config.changepoint_budget
-        if (budget is None or not self.config.compare_on_engine_support or not self._announced
-                or not any(self.centred_flags())):
+        if budget is None or self.per_token_offset or not self._announced or not any(self.centred_flags()):
             return None
         return changepoint_threshold(self._changepoint, self._changepoint_rows, budget)
 

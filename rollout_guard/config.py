@@ -213,9 +213,11 @@ class GuardConfig:
     :data:`rollout_guard.calibration.MIN_CHANGEPOINT_ROWS` such samples were scored with the same buckets read). For
     corruption that starts late in a row and lags by a few nats on each token after: what per-token rarity and the
     drift CUSUM miss under a heavy healthy tail. Only when the guard is told the sampling settings (as the
-    calibrated drift threshold) and ``compare_on_engine_support`` is on: without it a top-k renormalisation offset,
-    which varies from token to token, is part of the noise the rule takes as Gaussian (measured: false quarantines
-    7 → 23 of 122,368, the llama top_k = 20 run at 0.59 %). ``None``: off. Default 0.0002, from the fidelity
+    calibrated drift threshold), and not where the engine's logprobs are renormalised over a top-k or min-p support
+    that the trainer's are not compared on (``compare_on_engine_support`` off, or a setup it cannot serve: the TRL
+    adapter sets :attr:`rollout_guard.calibration.Calibration.per_token_offset`): such an offset varies from token
+    to token, inside the noise the rule takes as one Gaussian per bucket (measured with it judging there: false
+    quarantines 7 → 23 of 122,368, a top_k = 20 run at 0.59 %). ``None``: off. Default 0.0002, from the fidelity
     benchmark (1,000 faults per condition unless said; ``benchmarks/results-2026-12-04-thirtysecond/``), off → on:
     late onset missed 12 → 7 of 27,000 (seed 1: 9 → 2; phase 2 dense: 12 → 7; 4,000 faults: 25 → 8 and 24 → 10 of
     108,000), moderate ones at 4,000 faults 5 → 0 and 2 → 0, real context swaps 7 → 6; false quarantines 6 → 6

@@ -137,12 +137,16 @@ def test_the_reading_is_saved_restored_and_restarted():
     assert math.isfinite(threshold)
 
 
-def test_not_judged_without_the_engine_support_comparison():
-    """A top-k renormalisation offset varies from token to token: with ``compare_on_engine_support`` off the rule
-    does not judge (measured: it fired on 0.59 % of a top_k = 20 run's healthy rows)."""
-    guard = RolloutGuard(GuardConfig(compare_on_engine_support=False))
+def test_not_judged_where_a_cut_support_offset_stays_in_the_trainer_logprobs():
+    """A top-k renormalisation offset varies from token to token: where the trainer's logprobs are not compared on
+    the engine's support (``Calibration.per_token_offset``, set by the TRL adapter) the rule does not judge
+    (measured with it judging there: 0.59 % of a top_k = 20 run's healthy rows flagged), a restart keeps that."""
+    guard = RolloutGuard(GuardConfig())
+    guard.calibration.per_token_offset = True
     generator = torch.Generator().manual_seed(1)
     for step in range(14):
         guard.inspect(evidence(*healthy(generator)), step=step, sampling=(1.0,))
     assert guard.calibration.changepoint_threshold_value() is None
+    guard.recalibrate()
+    assert guard.calibration.per_token_offset
     assert warmed_guard(GuardConfig().changepoint_budget).calibration.changepoint_threshold_value() is not None

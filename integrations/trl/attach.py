@@ -30,7 +30,7 @@ from rollout_guard.integrations.trl.engine_context import (EngineContextCollecto
     add_context_to_records)
 from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, sampling_settings
-from rollout_guard.integrations.trl.support import SupportCapture, describe, support_settings
+from rollout_guard.integrations.trl.support import SupportCapture, cuts_support, describe, support_settings
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.selection import worst_suspects
 from rollout_guard.sinks import LocalFilesSink, Sink
@@ -138,6 +138,9 @@ class TrlGuard:
         # the trainer's log-mass of the engine's top-k/top-p/min-p support, from the pass that scores the tokens
         support = support_settings(trainer) if two_sided and self.config.compare_on_engine_support else None
         self.support = SupportCapture(trainer, support) if support is not None else None
+        # the changepoint rule takes each bucket's noise as one Gaussian: not where a cut support's offset, varying
+        # from token to token, stays in the trainer's logprobs
+        self.guard.calibration.per_token_offset = two_sided and self.support is None and cuts_support(trainer)
         self._support_mass: torch.Tensor | None = None  # (B, K) of TRL's own pass this step
         # rows, tokens, seconds of the latest truncated-row pass
         self.last_truncated_pass: dict[str, float] | None = None

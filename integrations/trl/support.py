@@ -49,6 +49,13 @@ def support_settings(trainer: Any) -> tuple[int, float, float] | None:
     return top_k, top_p, min_p
 
 
+def cuts_support(trainer: Any) -> bool:
+    """Whether the engine's support is cut by top-k or min-p, so that its processed logprobs carry an offset
+    ``−log Z`` that varies from token to token (top-p alone: at most ``−log top_p``)."""
+    setting = _setting_reader(trainer)
+    return max(int(setting("top_k", 0) or 0), 0) > 0 or float(setting("min_p", 0.0) or 0.0) > 0.0
+
+
 def logit_transform(config: Any) -> tuple[float, float | None]:
     """``(scale, softcap)`` a model applies to ``lm_head(hidden)``, read as TRL's fused LM head reads them
     (``trl.trainer.utils.add_fused_lm_head``): ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``

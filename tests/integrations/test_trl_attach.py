@@ -65,12 +65,14 @@ def test_sampling_that_changes_the_support_is_announced_at_attach(tiny_model_dir
         attach_guard(truncated, GuardConfig(output_dir=str(tmp_path / "guard")))
     said = [r.getMessage() for r in caplog.records if "processed" in r.getMessage() or "top_p" in r.getMessage()]
     assert len(said) == 1 and "top_k=5, top_p=0.9" in said[0] and "on the same support" in said[0]
+    assert not truncated._rollout_guard.guard.calibration.per_token_offset  # the changepoint rule judges
     caplog.clear()
     offset = make_trainer(tiny_model_dir, tmp_path / "offset", top_p=0.9, top_k=5)
     with caplog.at_level(logging.WARNING, logger="rollout_guard"):
         attach_guard(offset, GuardConfig(output_dir=str(tmp_path / "guard2"), compare_on_engine_support=False))
     said = [r.getMessage() for r in caplog.records if "processed" in r.getMessage() or "top_p" in r.getMessage()]
     assert len(said) == 1 and "top_p=0.9" in said[0] and "0.105 nat" in said[0] and "top_k=5" in said[0]
+    assert offset._rollout_guard.guard.calibration.per_token_offset  # top-k's offset stays: the rule does not judge
 
 
 def test_default_sampling_says_nothing(trainer):
