@@ -457,6 +457,17 @@ def drift_threshold(histogram: Sequence[float], rows: float, alpha: float, floor
     return min(ceiling, max(floor, extrapolated_quantile(histogram, rows, alpha)))
 
 
+def _decayed_histogram(histogram: list[float], rows: float, values: torch.Tensor, edges: torch.Tensor,
+                       decay: float) -> tuple[list[float], float]:
+    """``histogram`` (one count per edge: [e_i, e_{i+1}), the last open) and ``rows`` decayed by ``decay``, with the
+    finite ``values`` (host tensor) added: those below the first edge count in ``rows`` only."""
+    values = values.double()
+    values = values[torch.isfinite(values)]
+    index = torch.bucketize(values, edges, right=True) - 1  # −1 below the first edge
+    counts = torch.bincount(index[index >= 0], minlength=len(histogram)).tolist()
+    return [value * decay + added for value, added in zip(histogram, counts, strict=True)], rows * decay + len(values)
+
+
 class Calibration:
     """Decayed per-bucket sums of kept tokens: count, Σ clip(x), histogram of x; and the centres in use.
 
@@ -488,7 +499,7 @@ class Calibration:
         self._device_flags: dict[str, torch.Tensor] = {}  # flags and slopes per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
-        self._changepoint_noise: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}  # per device, until then
+        self._changepoint_noise: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, until the next update
         self._row_scaling: tuple[list[float], float, float] = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)
         self.age = 0  # steps applied (update) since the start or the last restart
         # a step's contributions held by :meth:`defer` until :meth:`settle`: (K×W sums, kept rows, kept drift,
@@ -805,20 +816,13 @@ class Calibration:
                 self._variance[k] = self._variance[k] * (1 - weight) + variance_then * weight
         if self.centred_flags() != centred:  # the next step's CUSUM comes from other allowances
             self._forget_drift()
-        elif kept_drift is not None:
-            values = kept_drift.double()
-            values = values[~torch.isnan(values)]
-            index = torch.bucketize(values, _EXCESS_EDGES_HOST, right=True) - 1  # −1 below the first edge
-            counts = torch.bincount(index[index >= 0], minlength=NUM_EXCESS_BINS).tolist()
-            self._drift = [value * decay + added for value, added in zip(self._drift, counts, strict=True)]
-            self._drift_rows = self._drift_rows * decay + float(values.numel())
-        if kept_changepoint is not None and self.centred_flags() == centred:
-            values = kept_changepoint.double()
-            values = values[torch.isfinite(values)]
-            index = torch.bucketize(values, _CHANGEPOINT_EDGES_HOST, right=True) - 1  # −1 below the first edge
-            counts = torch.bincount(index[index >= 0], minlength=NUM_CHANGEPOINT_BINS).tolist()
-            self._changepoint = [value * decay + added for value, added in zip(self._changepoint, counts, strict=True)]
-            self._changepoint_rows = self._changepoint_rows * decay + float(values.numel())
+        else:
+            if kept_drift is not None:
+                self._drift, self._drift_rows = _decayed_histogram(self._drift, self._drift_rows, kept_drift,
+                                                                   _EXCESS_EDGES_HOST, decay)
+            if kept_changepoint is not None:
+                self._changepoint, self._changepoint_rows = _decayed_histogram(
+                    self._changepoint, self._changepoint_rows, kept_changepoint, _CHANGEPOINT_EDGES_HOST, decay)
 
     def judged_with(self) -> tuple[list[float], list[bool]]:
         """The centres (nats; 0 where not set) and centred flags a step judged now is judged with: what

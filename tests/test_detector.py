@@ -561,9 +561,11 @@ def test_the_drift_threshold_is_the_runs_own_once_calibrated():
     the floor (2.5 nats) and a short late drift (8 tokens 0.85 nats off: CUSUM 8 × 0.35 = 2.8) is caught that the
     fixed 6 nats miss; 7 such tokens (2.45, just below the floor) are not (nor by the joint part: their spike margin,
     1.25 · 0.85 − 1.5 under the surprise weight at −1 nats, is −0.44); it survives a checkpoint; never told the
-    settings, a guard keeps the fixed one; a restart starts it at the fixed one."""
-    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
-    fixed = RolloutGuard(GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, calibrated_drift_floor=6.0))
+    settings, a guard keeps the fixed one; a restart starts it at the fixed one. The ``changepoint`` rule is off: at
+    σ = 0.05 such a lag is 17 σ a token, which it catches at any threshold (tests/test_changepoint.py)."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, changepoint_budget=None)
+    fixed = RolloutGuard(GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, calibrated_drift_floor=6.0,
+                                     changepoint_budget=None))
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(7)
     for step in range(1, 9):
@@ -596,8 +598,9 @@ def test_a_noisy_runs_drift_threshold_stays_above_its_healthy_cusum():
     threshold is the fixed one until ~1,000 samples were judged with that allowance, then it is read above the floor,
     where the healthy samples' CUSUM ends. (Before the allowance was the bucket's own from its centre on, the warm-up
     allowance of 2 nats held until step 15, and the reading from its CUSUM, under 1.1 nats, sat at the floor.) No
-    more of all 7,680 rows flagged than the goal allows (0.1 %; the drift budget is 0.05 %)."""
-    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=160_000, spike_excess=None)
+    more of all 7,680 rows flagged than the goal allows (0.1 %; the drift budget is 0.05 %). The ``changepoint``
+    rule is off: its own budget (0.02 %) flags one of these healthy rows, at step 24 (tests/test_changepoint.py)."""
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=160_000, spike_excess=None, changepoint_budget=None)
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(8)
     flagged, thresholds = [], []
@@ -713,7 +716,7 @@ def test_the_drift_reading_sees_the_rows_its_own_rule_flagged():
     the rows it kept, the drift threshold could fall below them once (its first reading rests on 2 % of ~1,000
     rows) and then never see them again: they were flagged for good. Counting the rows the drift rule alone
     flagged, the reading sees them and sits above them."""
-    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000)
+    config = GuardConfig(**ONLY_DETECTOR, calibration_warmup_tokens=2000, changepoint_budget=None)  # the drift rule alone
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(14)
     flagged = 0
@@ -824,7 +827,7 @@ def test_a_bucket_not_yet_calibrated_takes_its_spike_threshold_from_the_batch(mo
     it missed). Read from the batch's own histogram (its 1 % and 10 % points, extrapolated as the calibrated
     reading is), it is the 1.5-nat floor, at step 1 (no centre known) and at step 3 (centre known, not
     calibrated). No healthy row is flagged; without the batch's reading the spike is missed."""
-    config = GuardConfig(**ONLY_DETECTOR)
+    config = GuardConfig(**ONLY_DETECTOR, changepoint_budget=None)  # the spike rules alone
 
     def judged(from_the_batch: bool) -> tuple[list[bool], list[bool]]:
         generator = torch.Generator().manual_seed(21)
@@ -1179,7 +1182,7 @@ def test_a_short_row_is_judged_by_its_own_budget_and_a_long_one_too(monkeypatch)
     flip. Healthy rows of every length stay clean."""
     from rollout_guard.statistics import spike_per_row
 
-    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None)
+    config = GuardConfig(**ONLY_DETECTOR, drift_threshold=None, changepoint_budget=None)  # the spike rules alone
     guard = RolloutGuard(config)
     generator = torch.Generator().manual_seed(25)
     for step in range(1, 31):

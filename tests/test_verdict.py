@@ -91,5 +91,5 @@ def test_several_rules_and_counts():
     assert rule_names(int(verdict.reasons[0])) == ["token_spike", "mean_drift", "confident_wrong"]
     counts = rule_counts(verdict.reasons)
     assert counts == {"nonfinite_engine": 0, "nonfinite_trainer": 0, "token_spike": 2, "mean_drift": 1, "confident_wrong": 1,
-                      "directional_spike": 0, "drift": 0}
+                      "directional_spike": 0, "drift": 0, "changepoint": 0}
     assert sorted(RULE_BIT.values()) == [1 << i for i in range(len(RULES))]
