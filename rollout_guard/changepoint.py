@@ -27,6 +27,9 @@ from rollout_guard.statistics import ENGINE_BUCKET_EDGES, engine_bucket, to_devi
 # taken over these); after the onset, every token lags by a gap uniform on [MIN_GAP, D]
 LAGS = tuple(1.0 + 0.75 * (k + 0.5) for k in range(12))
 MIN_GAP = 0.1  # nats
+# (rows × tokens × lags) elements a chunk of rows is scored in: each B × T × 12 float32 intermediate stays ≤ 64 MiB
+# (a 512 × 16,384-token step would otherwise hold ~400 MiB per intermediate on the device, a few at a time)
+CHUNK_ELEMENTS = 1 << 24
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -84,7 +87,8 @@ def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.
         valid: (B, T) bool: tokens in the loss.
         centre, spread: (NUM_ENGINE_BUCKETS,) μ_k and σ_k (nats), on the tokens' device.
     Returns:
-        (B,) float32 ln Λ; −inf for a row with no read token.
+        (B,) float32 ln Λ; −inf for a row with no read token. Scored in chunks of rows of at most
+        :data:`CHUNK_ELEMENTS` rows × tokens × lags, so that its intermediates stay small on the device.
 
     >>> centre, spread = torch.zeros(4), torch.tensor([0.0, 0.3, 0.3, 0.3])
     >>> engine = torch.full((3, 40), -0.2); valid = torch.ones(3, 40, dtype=torch.bool)
@@ -96,6 +100,16 @@ def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.
     >>> changepoint_score(engine, late, valid, centre, torch.zeros(4)).tolist()  # no bucket known: nothing read
     [-inf, -inf, -inf]
     """
+    rows = max(1, CHUNK_ELEMENTS // max(engine.shape[-1] * len(LAGS), 1))
+    if engine.shape[0] <= rows:
+        return _rows_score(engine, trainer, valid, centre, spread)
+    return torch.cat([_rows_score(engine[i: i + rows], trainer[i: i + rows], valid[i: i + rows], centre, spread)
+                      for i in range(0, engine.shape[0], rows)])
+
+
+def _rows_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.Tensor, centre: torch.Tensor,
+                spread: torch.Tensor) -> torch.Tensor:
+    """:func:`changepoint_score` of a chunk of rows."""
     engine, trainer = engine.float(), trainer.float()
     read = valid.bool() & torch.isfinite(engine) & torch.isfinite(trainer) & (engine >= ENGINE_BUCKET_EDGES[0])
     engine = torch.where(read, engine, torch.full_like(engine, -1.0))

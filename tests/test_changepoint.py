@@ -44,6 +44,20 @@ def test_score_matches_the_benchmark_statistic():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-3)
 
 
+def test_rows_scored_in_chunks_score_as_one_batch(monkeypatch):
+    import rollout_guard.changepoint as changepoint
+
+    generator = torch.Generator().manual_seed(3)
+    engine = -torch.rand(50, 300, generator=generator) * 4
+    trainer = engine - 0.3 * torch.randn(50, 300, generator=generator)
+    trainer[::5, 150:] -= 1.0
+    valid = torch.rand(50, 300, generator=generator) > 0.05
+    centre, spread = torch.tensor([0.0, 0.02, 0.01, 0.0]), torch.tensor([0.0, 0.4, 0.3, 0.3])
+    whole = changepoint_score(engine, trainer, valid, centre, spread)
+    monkeypatch.setattr(changepoint, "CHUNK_ELEMENTS", 300 * len(changepoint.LAGS) * 7)  # 7 rows a chunk
+    assert torch.equal(changepoint_score(engine, trainer, valid, centre, spread), whole)
+
+
 def test_threshold_is_a_quantile_of_the_kept_scores():
     histogram = [0.0] * NUM_CHANGEPOINT_BINS
     histogram[30] = 2999.0  # [−0.5, −0.25)
