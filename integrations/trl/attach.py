@@ -476,6 +476,7 @@ class TrlGuard:
         if self.support is not None and self.support.error is not None:
             error, self.support = self.support.error, None
             self._support_mass = None
+            self.guard.calibration.per_token_offset = True  # the offset stays: the changepoint rule stops judging
             self._failure("computing the trainer's log-mass of the engine's support (compare_on_engine_support; "
                           "the calibration absorbs the offset from now on)", error)
 

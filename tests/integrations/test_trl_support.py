@@ -112,6 +112,7 @@ def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monke
     trainer.train()
     assert len(guarded.steps) == 2 and guarded.support is None
     assert guarded.guard.totals.failures == 1
+    assert guarded.guard.calibration.per_token_offset  # top-k's offset stays: the changepoint rule stops judging
     evidence = guarded.steps[0].evidence
     assert float((evidence["engine"] - evidence["trainer"])[evidence["mask"].bool()].abs().mean()) > 0.5  # uncorrected
 
