@@ -11,7 +11,9 @@ warm-up, each ending in a device synchronisation:
 * **guard (reference)**: ``RolloutGuard.inspect`` with ``fused_statistics=False`` (pure torch);
 * **guard (fused)**: ``RolloutGuard.inspect`` with the default config (one Triton kernel on CUDA), and the
   kernel launch alone (``fused_packet`` + synchronisation); and a first step (no centre known, after
-  ``recalibrate``), judged around the batch's own centres (``batch_thresholds``: a few more torch ops).
+  ``recalibrate``), judged around the batch's own centres (``batch_thresholds``: a few more torch ops);
+* **the ``changepoint`` rule** (on by default; it judges in the warm guard): its score alone in its Triton kernel
+  and in torch, their largest difference, and the warm guard's step with the rule off (``changepoint_budget=None``).
 
 The guard runs warm (its calibration fed by earlier steps, as in a real run) and is told the sampling settings, as
 the TRL adapter tells it (a guard never told them pays the first step's extra pass every step). On the GPU the TRL
@@ -28,6 +30,7 @@ inputs) against its inputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -158,6 +161,40 @@ def compare_packets(evidence: RolloutEvidence, guard: RolloutGuard) -> dict[str,
     }
 
 
+def changepoint_figures(guard: RolloutGuard, evidence: RolloutEvidence, device: torch.device, repeats: int,
+                        step: int) -> dict[str, float | bool]:
+    """The ``changepoint`` rule's part: whether it judges in the warm guard, its score alone in its Triton kernel
+    and in torch (and their largest difference on this device), and the same guard's step with the rule off."""
+    from rollout_guard.changepoint import changepoint_score
+
+    out = {"changepoint_judges": guard.calibration.changepoint_threshold_value() is not None}
+    centre, spread = guard.calibration.changepoint_noise(device)
+    sides = (evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask, centre, spread)
+    kernel, torch_form = changepoint_score(*sides, kernel=True), changepoint_score(*sides, kernel=False)
+    finite = torch.isfinite(torch_form)
+    out["changepoint_score_max_difference"] = float(((kernel - torch_form).abs() / torch_form.abs().clamp(min=1.0))
+                                                    .where(finite, torch.zeros_like(kernel)).max())
+    out["changepoint_inf_equal"] = bool(torch.equal(finite, torch.isfinite(kernel)))
+    out["changepoint_kernel_ms"] = 1e3 * time_it(lambda: changepoint_score(*sides, kernel=True), device, repeats)
+    out["changepoint_torch_ms"] = 1e3 * time_it(lambda: changepoint_score(*sides, kernel=False), device, repeats)
+    import rollout_guard.changepoint as changepoint
+
+    chosen = changepoint.KERNEL_BLOCK, changepoint.KERNEL_WARPS, changepoint.KERNEL_CHUNK
+    timings = {}
+    for changepoint.KERNEL_BLOCK, changepoint.KERNEL_WARPS, changepoint.KERNEL_CHUNK in (
+            (64, 4, 512), (128, 4, 512), (128, 4, 1024), (128, 4, 2048), (128, 8, 1024), (256, 8, 1024),
+            (128, 4, 1 << 30)):
+        timings[f"{changepoint.KERNEL_BLOCK}/{changepoint.KERNEL_WARPS}/{changepoint.KERNEL_CHUNK}"] = 1e3 * time_it(
+            lambda: changepoint_score(*sides, kernel=True), device, repeats)
+    changepoint.KERNEL_BLOCK, changepoint.KERNEL_WARPS, changepoint.KERNEL_CHUNK = chosen
+    out["changepoint_kernel_ms_by_block_warps_chunk"] = timings
+    off = warm_guard(dataclasses.replace(guard.config, changepoint_budget=None), evidence, device, 8)
+    counter = iter(range(step, 10**9))
+    out["guard_fused_rule_off_ms"] = 1e3 * time_it(lambda: off.inspect(evidence, step=next(counter),
+                                                                       sampling=SAMPLING), device, repeats)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -207,6 +244,7 @@ def main() -> None:
                 for block, warps in ((256, 2), (256, 4), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))}
             fused_seconds = time_it(lambda: guard.inspect(evidence, step=next(step), sampling=SAMPLING), device, args.repeats)
             row["guard_fused_ms"] = fused_seconds * 1e3
+            row.update(changepoint_figures(guard, evidence, device, args.repeats, next(step)))
             fresh = RolloutGuard(GuardConfig(calibration_warmup_tokens=1000), device=device)
 
             def first_step() -> None:  # no centre known: judged around the batch's own (batch_thresholds)
@@ -274,6 +312,16 @@ def main() -> None:
                   f"never told the settings: {row['guard_fused_untold_ms']:.3f} ms, "
                   f"{row['host_syncs_first_step']} host sync(s); warm guard: {row['uncalibrated_buckets']} bucket(s) "
                   f"not calibrated, batch's pass every step: {row['batch_pass_every_step']}")
+    for row in rows_out:
+        if "changepoint_kernel_ms" in row:
+            print(f"changepoint rule at {row['rows']}×{row['tokens_per_row']}: judges {row['changepoint_judges']}; "
+                  f"score {row['changepoint_kernel_ms']:.3f} ms in its kernel, {row['changepoint_torch_ms']:.3f} ms "
+                  f"in torch (largest relative difference {row['changepoint_score_max_difference']:.1e}, −inf equal "
+                  f"{row['changepoint_inf_equal']}); guard step {row['guard_fused_ms']:.3f} ms with the rule, "
+                  f"{row['guard_fused_rule_off_ms']:.3f} ms without ({row['guard_fused_ms'] / row['trl_ops_ms']:.2f}× "
+                  f"and {row['guard_fused_rule_off_ms'] / row['trl_ops_ms']:.2f}× TRL's ops); the score's kernel by "
+                  f"block/warps/chunk: " + ", ".join(f"{key} {value:.3f} ms" for key, value
+                                                     in row["changepoint_kernel_ms_by_block_warps_chunk"].items()))
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"device": name, "torch": torch.__version__, "repeats": args.repeats, "rounds": args.rounds,

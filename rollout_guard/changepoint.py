@@ -17,6 +17,7 @@ guard's four engine buckets (99.88–100 % with 13 0.25-nat bins).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 
 import torch
@@ -58,7 +59,7 @@ def _log_ndtr_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.Tensor, centre: torch.Tensor,
-                      spread: torch.Tensor) -> torch.Tensor:
+                      spread: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     """Each row's ln Λ, the log likelihood ratio of a lag that starts at some token against healthy noise.
 
     With ``d = engine − trainer`` and ``z = (d − μ_k)/σ_k`` on a read token of engine bucket ``k`` (healthy noise
@@ -86,9 +87,13 @@ def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.
         engine, trainer: (B, T) logprobs (nats).
         valid: (B, T) bool: tokens in the loss.
         centre, spread: (NUM_ENGINE_BUCKETS,) μ_k and σ_k (nats), on the tokens' device.
+        kernel: one Triton launch (:mod:`rollout_guard._changepoint_kernel`) instead of ~40 torch kernels. Default:
+            on CUDA where Triton is installed. ``True`` on the CPU only under ``TRITON_INTERPRET=1``, as the tests
+            run it.
     Returns:
-        (B,) float32 ln Λ; −inf for a row with no read token. Scored in chunks of rows of at most
-        :data:`CHUNK_ELEMENTS` rows × tokens × lags, so that its intermediates stay small on the device.
+        (B,) float32 ln Λ; −inf for a row with no read token. In torch, scored in chunks of rows of at most
+        :data:`CHUNK_ELEMENTS` rows × tokens × lags, so that its intermediates stay small on the device; the kernel
+        holds a block of tokens at a time and 256 bytes of partial sums per :data:`KERNEL_CHUNK` tokens.
 
     >>> centre, spread = torch.zeros(4), torch.tensor([0.0, 0.3, 0.3, 0.3])
     >>> engine = torch.full((3, 40), -0.2); valid = torch.ones(3, 40, dtype=torch.bool)
@@ -100,11 +105,62 @@ def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.
     >>> changepoint_score(engine, late, valid, centre, torch.zeros(4)).tolist()  # no bucket known: nothing read
     [-inf, -inf, -inf]
     """
+    if kernel is None:
+        kernel = engine.is_cuda and importlib.util.find_spec("triton") is not None
+    if kernel:
+        return _kernel_score(engine, trainer, valid, centre, spread)
     rows = max(1, CHUNK_ELEMENTS // max(engine.shape[-1] * len(LAGS), 1))
     if engine.shape[0] <= rows:
         return _rows_score(engine, trainer, valid, centre, spread)
     return torch.cat([_rows_score(engine[i: i + rows], trainer[i: i + rows], valid[i: i + rows], centre, spread)
                       for i in range(0, engine.shape[0], rows)])
+
+
+@functools.cache
+def _kernels():
+    """Imported on first use (so that ``TRITON_INTERPRET=1`` set before the first call is honoured)."""
+    from rollout_guard._changepoint_kernel import changepoint_chunks, changepoint_combine
+
+    return changepoint_chunks, changepoint_combine
+
+
+KERNEL_BLOCK = 128  # tokens per block of a row in the kernel (× LAG_SLOTS: 2,048 values per step)
+KERNEL_WARPS = 4
+KERNEL_CHUNK = 1024  # tokens per program: a longer row is split over programs, their partial sums combined after
+LAG_SLOTS = 16  # the kernel's lag axis: a power of two ≥ len(LAGS)
+assert len(LAGS) <= LAG_SLOTS and len(ENGINE_BUCKET_EDGES) == 3, "update rollout_guard/_changepoint_kernel.py"
+
+
+def _kernel_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.Tensor, centre: torch.Tensor,
+                  spread: torch.Tensor) -> torch.Tensor:
+    """:func:`changepoint_score` from :mod:`rollout_guard._changepoint_kernel`: one launch where a row fits in
+    :data:`KERNEL_CHUNK` tokens, else one over (row, chunk) and one that combines each row's chunks."""
+    batch, length = engine.shape
+    out = torch.empty(batch, dtype=torch.float32, device=engine.device)
+    if batch == 0:
+        return out
+    if length == 0:
+        return out.fill_(-math.inf)
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+    engine, trainer = rows(engine), rows(trainer)
+    valid = rows(valid.view(torch.uint8) if valid.dtype == torch.bool else valid)
+    chunk = max(KERNEL_CHUNK // KERNEL_BLOCK, 1) * KERNEL_BLOCK
+    chunks = -(-length // chunk)
+    partial = out if chunks == 1 else torch.empty(batch, chunks, 4, LAG_SLOTS, dtype=torch.float32,
+                                                  device=engine.device)
+    scores, combine = _kernels()
+    scores[(batch, chunks)](
+        engine, trainer, valid, centre.float().contiguous(), spread.float().contiguous(),
+        _lags_on(torch.float32, str(engine.device)), partial, out, length, chunk, engine.stride(0),
+        trainer.stride(0), valid.stride(0), *ENGINE_BUCKET_EDGES, MIN_GAP,
+        NUM_LAGS=len(LAGS), LAG_SLOTS=LAG_SLOTS, BLOCK=KERNEL_BLOCK, WHOLE_ROW=chunks == 1, num_warps=KERNEL_WARPS,
+    )
+    if chunks > 1:
+        combine[(batch,)](partial, out, chunks, NUM_LAGS=len(LAGS), LAG_SLOTS=LAG_SLOTS, num_warps=1)
+    return out
 
 
 def _rows_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.Tensor, centre: torch.Tensor,

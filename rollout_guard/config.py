@@ -225,8 +225,11 @@ class GuardConfig:
     27 → 45 of 888,995 (15 distinct rows of 117,987; worst condition 0.039 %); cells at the goal 198 → 198 of 217
     (seed 1 197 → 198, 4,000 faults 198 → 199 and 197 → 198: the hybrid-7B-tail late-onset cells). The
     twenty-eighth session's prototype read 0.0005 over 0.25-nat bins; 0.0002 was the budget its 4,000-row runs
-    reached those cells at (thirty-first session). Costs 1–3 ms per step on an H200 beside the guard's 1 ms
-    (``benchmarks/results-2026-12-04-thirtysecond/changepoint_speed.py``)."""
+    reached those cells at (thirty-first session). 0.0005 in the library (thirty-third session,
+    ``benchmarks/results-2026-12-04-thirtythird/``) caught 2–5 more late-onset rows at 4,000 faults for ~1.5× the
+    flagged resampled judgements and no more false quarantines, but left both cells below the goal in the held-out
+    seed 2. Costs 0.05–0.85 ms per step on an H200 (its Triton kernel, 64 × 1,024 to 512 × 16,384 tokens), the
+    guard's step then 1.4–2.3× TRL's own mismatch-metric ops instead of ~1× (``benchmarks/statistics_speed.py``)."""
 
     calibration_warmup_tokens: int = 20_000
     """tokens. A bucket's calibration is used once this many (decayed) kept tokens have fed its histograms (after
@@ -244,7 +247,8 @@ class GuardConfig:
     fused_statistics: bool = True
     """``True``: when the evidence is on a CUDA device and Triton is installed, compute the statistics, the
     verdict, the histograms and the calibration contributions in one fused kernel
-    (:mod:`rollout_guard.fused_statistics`); elsewhere, and with ``False``, the pure-torch reference
+    (:mod:`rollout_guard.fused_statistics`), and the ``changepoint`` rule's score in one more
+    (:mod:`rollout_guard._changepoint_kernel`); elsewhere, and with ``False``, the pure-torch reference
     (:func:`rollout_guard.packet.reference_packet`). Both give the same packet up to the order of float32 sums.
     Default True (on an H200 the kernel makes the guard's step as fast as TRL's own mismatch metrics: see
     ``benchmarks/statistics_speed.py``)."""

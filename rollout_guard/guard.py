@@ -225,7 +225,7 @@ class RolloutGuard:
                                                  self.calibration.spike_floor())
         self._judged_drift = self.calibration.drift_threshold_value()
         self._judged_with = self.calibration.judged_with()
-        score = self._changepoint_score(evidence)
+        score = self._changepoint_score(evidence, fused)
         if fused:
             table = self._kernel_table(evidence.device)
             table = table if shift is None else fused_statistics.with_centres(table, thresholds)
@@ -235,17 +235,19 @@ class RolloutGuard:
                                       self.calibration.row_scaling(evidence.device), score, self._judged_changepoint)
         return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
 
-    def _changepoint_score(self, evidence: RolloutEvidence) -> torch.Tensor | None:
+    def _changepoint_score(self, evidence: RolloutEvidence, fused: bool) -> torch.Tensor | None:
         """(B,) each row's change-point score on the evidence's device (no host sync), when the ``changepoint``
         rule judges this step (:meth:`Calibration.changepoint_threshold_value`) and both sides' logprobs are
-        there; sets the threshold it is judged with (``None``: not judged)."""
+        there; sets the threshold it is judged with (``None``: not judged). ``fused``: the score's Triton kernel
+        (where the packet's runs), else its torch form."""
         threshold = self.calibration.changepoint_threshold_value()
         if threshold is None or not (evidence.has_engine and evidence.has_trainer):
             self._judged_changepoint = None
             return None
         self._judged_changepoint = threshold
         centre, spread = self.calibration.changepoint_noise(evidence.device)
-        return changepoint_score(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask, centre, spread)
+        return changepoint_score(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask, centre, spread,
+                                 kernel=fused)
 
     def _settle_calibration(self) -> None:
         """The previous step's calibration update (:meth:`Calibration.defer`), the thresholds read from it and,

@@ -164,3 +164,58 @@ def test_not_judged_where_a_cut_support_offset_stays_in_the_trainer_logprobs():
     guard.recalibrate()
     assert guard.calibration.per_token_offset
     assert warmed_guard(GuardConfig().changepoint_budget).calibration.changepoint_threshold_value() is not None
+
+
+# the kernel's cases: (rows, tokens, dtype, lag from the middle on in nats, note)
+KERNEL_CASES = {
+    "short rows, partial blocks": (9, 150, torch.float32, 1.0),
+    "long rows (sums of ~2,000 tokens, the kernel's chunks combined)": (3, 2100, torch.float32, 0.4),
+    "bf16 logprobs": (6, 97, torch.bfloat16, 2.0),
+    "far tails (lags of 30 nats)": (5, 70, torch.float32, 30.0),
+}
+
+
+def _kernel_inputs(name: str) -> tuple[torch.Tensor, ...]:
+    rows, length, dtype, lag = KERNEL_CASES[name]
+    generator = torch.Generator().manual_seed(rows * length)
+    engine = -torch.rand(rows, length, generator=generator) * 4  # a quarter of the tokens below −3: unread
+    trainer = engine - 0.02 - 0.3 * torch.randn(rows, length, generator=generator)
+    trainer[::2, length // 2:] -= lag
+    valid = torch.rand(rows, length, generator=generator) > 0.1
+    engine[0, 3], trainer[0, 5], trainer[1, 7] = math.nan, -math.inf, math.nan  # not read
+    valid[-1] = False  # a row with nothing read: −inf
+    valid[1, 1024:2048] = False  # in long rows, a whole chunk of the kernel with nothing read
+    return engine.to(dtype), trainer.to(dtype), valid
+
+
+def _kernel_case(name: str) -> None:
+    centre, spread = torch.tensor([0.0, 0.05, 0.02, 0.01]), torch.tensor([0.0, 0.4, 0.3, 0.25])
+    engine, trainer, valid = _kernel_inputs(name)
+    expected = changepoint_score(engine, trainer, valid, centre, spread, kernel=False)
+    assert expected[-1] == -math.inf and torch.isfinite(expected[:-1]).all()
+    torch.testing.assert_close(changepoint_score(engine, trainer, valid, centre, spread, kernel=True), expected,
+                               rtol=1e-4, atol=2e-3)
+    # rows of a wider tensor (row stride 2T) and a bucket not read yet (spread 0) score as in torch too
+    wide = [torch.cat([side, side * 0], dim=1)[:, : side.shape[1]] for side in (engine, trainer)]
+    unread = torch.tensor([0.0, 0.4, 0.0, 0.25])
+    torch.testing.assert_close(changepoint_score(*wide, valid, centre, unread, kernel=True),
+                               changepoint_score(engine, trainer, valid, centre, unread, kernel=False),
+                               rtol=1e-4, atol=2e-3)
+
+
+def test_the_kernel_matches_torch_in_the_interpreter():
+    """The Triton score (one forward pass per row, a running log-sum-exp per lag) against the torch form (a reversed
+    cumulative sum per lag), in Triton's interpreter on the CPU (the device benchmark compares them on a GPU)."""
+    from tests.triton_interpreter import check_in_interpreter
+
+    pytest.importorskip("triton")
+    check_in_interpreter(__file__, list(KERNEL_CASES), timeout=600)
+
+
+if __name__ == "__main__":
+    import functools
+
+    from tests.triton_interpreter import run_cases
+
+    cases = {name: functools.partial(_kernel_case, name) for name in KERNEL_CASES}
+    sys.exit(1 if run_cases(cases, sys.argv[1:]) else 0)
