@@ -11,7 +11,7 @@ pip install -q --no-index --no-deps --target /tmp/py .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/py:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L > /tmp/runs/env.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> /tmp/runs/env.txt 2>&1
-rule="--device cuda --set changepoint_budget=0.0002"
+rule="--device cuda ${RULE:---set changepoint_budget=0.0002}"  # RULE: another --set (thirty-third session)
 IFS=';' read -ra runs <<< "${RUNS:-told-4000|280|--same-support --faults-per-condition 4000;seed1|80|--same-support --seed 1;dense|80|--same-support --dense-phase2;untold|70|--same-support --no-announce-sampling;off|80|}"
 for run in "${runs[@]}"; do
   IFS='|' read -r name limit extra <<< "$run"
