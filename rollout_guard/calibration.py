@@ -499,6 +499,7 @@ class Calibration:
         self._device_flags: dict[str, torch.Tensor] = {}  # flags and slopes per device, until the next update
         self._values: tuple[list[float], ...] | None = None  # until the next update
         self._drift_value: float | None = None  # until the next update
+        self._changepoint_value: float | None = None  # the histogram's reading, until the next update
         self._changepoint_noise: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, until the next update
         self._row_scaling: tuple[list[float], float, float] = ([0.0] * NUM_ENGINE_BUCKETS, 0.0, 1.0)
         self.age = 0  # steps applied (update) since the start or the last restart
@@ -595,7 +596,7 @@ class Calibration:
     def _forget_readings(self) -> None:
         """The thresholds read from the state are out of date (after an update, a load, a change of ``announced``)."""
         self._thresholds, self._device_flags, self._values, self._drift_value = {}, {}, None, None
-        self._changepoint_noise = {}
+        self._changepoint_value, self._changepoint_noise = None, {}
 
     def _forget_drift(self) -> None:
         """The samples' CUSUM depends on the bucket thresholds it was computed with, and their change-point score
@@ -641,7 +642,9 @@ class Calibration:
         budget = self.config.changepoint_budget
         if budget is None or self.per_token_offset or not self._announced or not any(self.centred_flags()):
             return None
-        return changepoint_threshold(self._changepoint, self._changepoint_rows, budget)
+        if self._changepoint_value is None:  # read three times a step (packet, kernel table, metrics): once here
+            self._changepoint_value = changepoint_threshold(self._changepoint, self._changepoint_rows, budget)
+        return self._changepoint_value
 
     def changepoint_noise(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """(K,) float32 centre and spread (nats) of healthy ``d`` per bucket on ``device``, what

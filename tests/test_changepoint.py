@@ -166,6 +166,32 @@ def test_not_judged_where_a_cut_support_offset_stays_in_the_trainer_logprobs():
     assert warmed_guard(GuardConfig().changepoint_budget).calibration.changepoint_threshold_value() is not None
 
 
+def test_the_reading_is_made_once_a_step_and_follows_every_update(monkeypatch):
+    """The threshold is read from the histogram once per update (the step reads it three times), and each step's
+    reading is the histogram's as it stands then: from the ceiling to the kept rows' quantile, and after a load."""
+    import rollout_guard.calibration as calibration
+
+    reads = []
+    monkeypatch.setattr(calibration, "changepoint_threshold",
+                        lambda *args, **kwargs: reads.append(1) or changepoint_threshold(*args, **kwargs))
+    guard = RolloutGuard(GuardConfig(changepoint_budget=0.001))
+    generator = torch.Generator().manual_seed(5)
+    seen = []
+    for step in range(20):
+        guard.inspect(evidence(*healthy(generator)), step=step, sampling=(1.0,))
+        state = guard.calibration
+        value = state.changepoint_threshold_value()
+        assert value == changepoint_threshold(state._changepoint, state._changepoint_rows, 0.001)
+        seen.append(value)
+    assert len(reads) <= 20 + 1 and seen[0] in (None, CHANGEPOINT_CEILING) and seen[-1] < CHANGEPOINT_CEILING
+    saved = guard.calibration.state_dict()
+    fresh = RolloutGuard(GuardConfig(changepoint_budget=0.001))
+    fresh.inspect(evidence(*healthy(generator)), step=0, sampling=(1.0,))
+    before = fresh.calibration.changepoint_threshold_value()
+    fresh.calibration.load_state_dict(saved)
+    assert before != seen[-1] and fresh.calibration.changepoint_threshold_value() == seen[-1]
+
+
 # the kernel's cases: (rows, tokens, dtype, lag from the middle on in nats, note)
 KERNEL_CASES = {
     "short rows, partial blocks": (9, 150, torch.float32, 1.0),
