@@ -228,7 +228,7 @@ class GuardConfig:
     reached those cells at (thirty-first session). 0.0005 in the library (thirty-third session,
     ``benchmarks/results-2026-12-04-thirtythird/``) caught 2–5 more late-onset rows at 4,000 faults for ~1.5× the
     flagged resampled judgements and no more false quarantines, but left both cells below the goal in the held-out
-    seed 2. Costs 0.05–0.85 ms per step on an H200 (its Triton kernel, 64 × 1,024 to 512 × 16,384 tokens), the
+    seed 2. Costs 0.09–0.94 ms per step on an H200 (its Triton kernel, 64 × 1,024 to 512 × 16,384 tokens), the
     guard's step then 1.4–2.3× TRL's own mismatch-metric ops instead of ~1× (``benchmarks/statistics_speed.py``)."""
 
     calibration_warmup_tokens: int = 20_000
@@ -250,8 +250,8 @@ class GuardConfig:
     (:mod:`rollout_guard.fused_statistics`), and the ``changepoint`` rule's score in one more
     (:mod:`rollout_guard._changepoint_kernel`); elsewhere, and with ``False``, the pure-torch reference
     (:func:`rollout_guard.packet.reference_packet`). Both give the same packet up to the order of float32 sums.
-    Default True (on an H200 the kernel makes the guard's step as fast as TRL's own mismatch metrics: see
-    ``benchmarks/statistics_speed.py``)."""
+    Default True (on an H200 the kernel makes the guard's step as fast as TRL's own mismatch metrics, 1.4–2.3× as
+    long with the ``changepoint`` rule on: see ``benchmarks/statistics_speed.py``)."""
 
     compare_on_engine_support: bool = True
     """TRL adapter, when the engine samples with top-k (with or without top-p and min-p) or with min-p alone, and no
