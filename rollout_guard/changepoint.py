@@ -17,11 +17,11 @@ guard's four engine buckets (99.88–100 % with 13 0.25-nat bins).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 
 import torch
 
+from rollout_guard import fused_statistics
 from rollout_guard.statistics import ENGINE_BUCKET_EDGES, engine_bucket, to_device
 
 # nats: the lag D that a corrupted row's onset token has, D ~ U(1, 10), as 12 midpoints (the average over D is
@@ -106,7 +106,7 @@ def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.
     [-inf, -inf, -inf]
     """
     if kernel is None:
-        kernel = engine.is_cuda and importlib.util.find_spec("triton") is not None
+        kernel = engine.is_cuda and fused_statistics.available()
     if kernel:
         return _kernel_score(engine, trainer, valid, centre, spread)
     rows = max(1, CHUNK_ELEMENTS // max(engine.shape[-1] * len(LAGS), 1))
