@@ -638,9 +638,10 @@ class Calibration:
         """The ``changepoint`` threshold the next step uses (ln Λ; :func:`changepoint_threshold`); ``None``: the
         rule does not judge (``GuardConfig.changepoint_budget`` is ``None``; or :attr:`per_token_offset`, a
         top-k or min-p renormalisation offset that varies from token to token being part of d; or the guard is not
-        told the sampling settings; or no bucket's centre is set yet)."""
+        told the sampling settings). A bucket whose centre is not set yet is read around the batch's own centre
+        and spread (:func:`rollout_guard.statistics.batch_thresholds`), where the batch holds enough of its tokens."""
         budget = self.config.changepoint_budget
-        if budget is None or self.per_token_offset or not self._announced or not any(self.centred_flags()):
+        if budget is None or self.per_token_offset or not self._announced:
             return None
         if self._changepoint_value is None:  # read three times a step (packet, kernel table, metrics): once here
             self._changepoint_value = changepoint_threshold(self._changepoint, self._changepoint_rows, budget)

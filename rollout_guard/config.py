@@ -210,7 +210,13 @@ class GuardConfig:
     calibration's per-bucket centre and spread) exceeds the ``1 − changepoint_budget`` point of the scores of the
     samples kept by the other rules (:func:`rollout_guard.calibration.changepoint_threshold`), never above
     ln 1000 (:data:`rollout_guard.calibration.CHANGEPOINT_CEILING`, where it sits until
-    :data:`rollout_guard.calibration.MIN_CHANGEPOINT_ROWS` such samples were scored with the same buckets read). For
+    :data:`rollout_guard.calibration.MIN_CHANGEPOINT_ROWS` such samples were scored with the same buckets read).
+    Buckets whose centre the calibration does not know yet (the first step of a run or of a new sampling setting)
+    are read around the batch's own centre and spread, as the other rules judge them there
+    (:func:`rollout_guard.statistics.batch_thresholds`; before the thirty-fourth session the rule did not judge
+    such a step: ``benchmarks/results-2026-12-04-thirtyfourth/``, late onset missed 7 → 6 told, 4 → 3 seed 2, 8 → 7,
+    10 → 10 and 17 → 15 at 4,000 faults, moderate 2 → 0 seed 1, false quarantines 6 → 7 told and phase 2 dense (one
+    healthy row this rule flagged, its condition then at 0.026 %), flagged resampled judgements unchanged). For
     corruption that starts late in a row and lags by a few nats on each token after: what per-token rarity and the
     drift CUSUM miss under a heavy healthy tail. Only when the guard is told the sampling settings (as the
     calibrated drift threshold), and not where the engine's logprobs are renormalised over a top-k or min-p support

@@ -219,13 +219,14 @@ class RolloutGuard:
         # the threshold tensors on the device: for the reference path, or to replace the batch's centres in; the
         # fused path otherwise reads its cached parameter table only
         thresholds = self.calibration.thresholds(evidence.device) if batch_centres or not fused else None
-        shift = None
+        shift = own_noise = None
         if batch_centres:
-            thresholds, shift = batch_thresholds(evidence, self.config, thresholds, own, follow, spiky,
-                                                 self.calibration.spike_floor())
+            thresholds, shift, spread = batch_thresholds(evidence, self.config, thresholds, own, follow, spiky,
+                                                         self.calibration.spike_floor())
+            own_noise = None if own is None else (thresholds.centre, spread)
         self._judged_drift = self.calibration.drift_threshold_value()
         self._judged_with = self.calibration.judged_with()
-        score = self._changepoint_score(evidence, fused)
+        score = self._changepoint_score(evidence, fused, own_noise)
         if fused:
             table = self._kernel_table(evidence.device)
             table = table if shift is None else fused_statistics.with_centres(table, thresholds)
@@ -235,17 +236,23 @@ class RolloutGuard:
                                       self.calibration.row_scaling(evidence.device), score, self._judged_changepoint)
         return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
 
-    def _changepoint_score(self, evidence: RolloutEvidence, fused: bool) -> torch.Tensor | None:
+    def _changepoint_score(self, evidence: RolloutEvidence, fused: bool,
+                           own_noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """(B,) each row's change-point score on the evidence's device (no host sync), when the ``changepoint``
         rule judges this step (:meth:`Calibration.changepoint_threshold_value`) and both sides' logprobs are
         there; sets the threshold it is judged with (``None``: not judged). ``fused``: the score's Triton kernel
-        (where the packet's runs), else its torch form."""
+        (where the packet's runs), else its torch form. ``own_noise``: (K,) centre and spread from the batch
+        (:func:`batch_thresholds`), read for the buckets whose spread there is > 0 — those whose centre the
+        calibration does not know yet, as in a setting's first step."""
         threshold = self.calibration.changepoint_threshold_value()
         if threshold is None or not (evidence.has_engine and evidence.has_trainer):
             self._judged_changepoint = None
             return None
         self._judged_changepoint = threshold
         centre, spread = self.calibration.changepoint_noise(evidence.device)
+        if own_noise is not None:
+            batch = own_noise[1] > 0
+            centre, spread = torch.where(batch, own_noise[0], centre), torch.where(batch, own_noise[1], spread)
         return changepoint_score(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask, centre, spread,
                                  kernel=fused)
 

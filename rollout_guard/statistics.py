@@ -297,7 +297,7 @@ def length_raised_spike(spike_excess: float, tokens_per_row: float | torch.Tenso
 
 def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
                      own: torch.Tensor | None, follow: float | None = None, spiky: torch.Tensor | None = None,
-                     spike_floor: float | None = None) -> tuple[Thresholds, torch.Tensor]:
+                     spike_floor: float | None = None) -> tuple[Thresholds, torch.Tensor, torch.Tensor]:
     """The thresholds a batch is judged with when some buckets' centres are not known yet (the first step of a
     run, or after a change of the sampling settings): for those buckets (``own``), the batch's own centre and drift
     allowance, where the batch holds enough of their tokens (:data:`BATCH_CENTRE_MIN_TOKENS`):
@@ -345,7 +345,9 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
     long row more chances to be crossed by its healthy tail.
 
     Everything stays on the device (no host sync). Also returns each bucket's centre shift for
-    :func:`rollout_guard.packet.reanchor`: the calibration learns around the centres it sets, not these.
+    :func:`rollout_guard.packet.reanchor` (the calibration learns around the centres it sets, not these), and, where
+    the batch set a bucket's centre, σ_k: the spread the ``changepoint`` rule reads there
+    (:meth:`rollout_guard.guard.RolloutGuard._changepoint_score`).
 
     Args:
         evidence: the batch (engine and trainer logprobs).
@@ -356,18 +358,23 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
         spiky: (K,) bool: the buckets whose spike threshold is not calibrated yet (``None``: none).
         spike_floor: nats, the lowest spike threshold (default ``calibrated_spike_floor``).
     Returns:
-        the thresholds to judge with, and (K,) float32 shifts (0 where unchanged).
+        the thresholds to judge with, (K,) float32 shifts (0 where unchanged), and (K,) float32 σ_k where the
+        batch set the centre (0 elsewhere).
 
     >>> engine = torch.full((4, 100), -0.1); trainer = engine - 1.5  # a top-k offset of 1.5 nats on every token
     >>> trainer[0] = engine[0] - 4.0  # one corrupted row: the median stays, the spread (allowance) grows
-    >>> t, shift = batch_thresholds(RolloutEvidence(torch.ones(4, 100, dtype=torch.bool), engine, trainer),
-    ...                             GuardConfig(), Thresholds.fixed(GuardConfig()), torch.ones(4, dtype=torch.bool))
+    >>> t, shift, spread = batch_thresholds(RolloutEvidence(torch.ones(4, 100, dtype=torch.bool), engine,
+    ...                                     trainer), GuardConfig(), Thresholds.fixed(GuardConfig()),
+    ...                                     torch.ones(4, dtype=torch.bool))
     >>> [round(v, 3) for v in t.centre.tolist()], [round(v, 3) for v in t.allowance.tolist()]
     ([0.0, 0.0, 0.0, 1.5], [2.0, 2.0, 2.0, 1.192])
+    >>> [round(v, 3) for v in spread.tolist()]  # the sd of clip(d) there: 300 tokens at 1.5, 100 at 4
+    [0.0, 0.0, 0.0, 1.083]
     """
     device = evidence.mask.device
     if not (evidence.has_engine and evidence.has_trainer):  # nothing to centre: no d
-        return thresholds, torch.zeros(NUM_ENGINE_BUCKETS, device=device)
+        nothing = torch.zeros(NUM_ENGINE_BUCKETS, device=device)
+        return thresholds, nothing, nothing
     valid = evidence.mask.bool()
     engine, trainer = evidence.engine_logprobs.float(), evidence.trainer_logprobs.float()
     both = valid & torch.isfinite(engine) & torch.isfinite(trainer)
@@ -421,7 +428,7 @@ def batch_thresholds(evidence: RolloutEvidence, config: GuardConfig, thresholds:
         spike = torch.where(spiky & (kept_count >= BATCH_CENTRE_MIN_TOKENS) & likely,
                             torch.minimum(spike, read), spike)
     judged = Thresholds(centre, allowance, spike, thresholds.unlikely_spike.to(device), thresholds.weighted.to(device))
-    return judged, centre - calibrated
+    return judged, centre - calibrated, torch.where(use, variance.sqrt(), torch.zeros_like(variance))
 
 
 def batch_spike_thresholds(histogram: torch.Tensor, centre: torch.Tensor, count: torch.Tensor, per_row: torch.Tensor,

@@ -126,6 +126,34 @@ def test_a_small_lag_and_an_isolated_tail_token_are_left_alone():
     assert not report.suspect.any(), report.samples[report.suspect, COLUMN["changepoint_score"]]
 
 
+def test_a_settings_first_step_is_judged_around_the_batchs_own_noise():
+    """In the first step of a new setting no bucket's centre is known yet: the rule reads the batch's own centre
+    and spread per bucket (``batch_thresholds``, as the spike and drift rules do) against the ceiling, ln 1000.
+    Late rows the other rules miss there are caught where they score above it (before: not judged); no healthy
+    row is."""
+    guard = warmed_guard(0.0002)
+    batch, late = late_batch(0.5)  # scores 0.7 … 27 around the batch's noise
+    report = guard.inspect(batch, step=14, sampling=(0.7,))  # a new setting: the calibration restarts
+    assert guard.calibration_resets == 1
+    scores = report.samples[:, COLUMN["changepoint_score"]]
+    fired = (report.reasons & RULE_BIT["changepoint"]) != 0
+    assert report.changepoint_threshold == CHANGEPOINT_CEILING and torch.isfinite(scores).all()
+    assert torch.equal(fired, late & (scores > CHANGEPOINT_CEILING)) and fired.sum() >= 4, scores[late]
+    assert not (report.reasons & ~RULE_BIT["changepoint"]).any()  # the other rules miss them
+    assert scores[~late].max() < 0
+
+
+def test_a_first_step_with_an_offset_on_every_token_is_left_alone():
+    """Clean negative: the run's very first step, a renormalisation offset of 1.5 nats on every token (top-k = 5
+    on an early, high-entropy policy) under 0.3 nats of noise: judged around the batch's median, no row fires."""
+    guard = RolloutGuard(GuardConfig())
+    engine, trainer = healthy(torch.Generator().manual_seed(4))
+    report = guard.inspect(evidence(engine, trainer - 1.5), step=0, sampling=(1.0,))
+    scores = report.samples[:, COLUMN["changepoint_score"]]
+    assert report.changepoint_threshold == CHANGEPOINT_CEILING and torch.isfinite(scores).all()
+    assert not report.suspect.any() and scores.max() < CHANGEPOINT_CEILING / 2
+
+
 def test_not_judged_when_not_told_the_settings():
     guard = warmed_guard(0.0002, told=False)
     assert guard.calibration.changepoint_threshold_value() is None

@@ -216,7 +216,7 @@ def test_a_batch_too_small_keeps_the_warm_up_thresholds():
     own = torch.ones(NUM_ENGINE_BUCKETS, dtype=torch.bool)
     for rows, moved in ((3, False), (4, True)):
         evidence = offset_batch(generator, rows, 64, offset=0.8, corrupt=[])
-        thresholds, shift = batch_thresholds(evidence, config, Thresholds.fixed(config), own)
+        thresholds, shift, _ = batch_thresholds(evidence, config, Thresholds.fixed(config), own)
         assert (float(shift[3]) == pytest.approx(0.8, abs=0.05)) is moved, rows
         assert (float(thresholds.allowance[3]) == 2.0) is not moved, rows
 
@@ -863,7 +863,7 @@ def test_a_noisy_batch_reads_a_spike_threshold_above_its_noise_and_no_healthy_ro
     evidence = RolloutEvidence(torch.ones(256, 64, dtype=torch.long), engine,
                                engine - sigma * torch.randn(256, 64, generator=generator))
     own = torch.ones(NUM_ENGINE_BUCKETS, dtype=torch.bool)
-    thresholds, _ = batch_thresholds(evidence, config, Thresholds.fixed(config), own, spiky=own, spike_floor=1.5)
+    thresholds, _, _ = batch_thresholds(evidence, config, Thresholds.fixed(config), own, spiky=own, spike_floor=1.5)
     spike = float(thresholds.spike[1])
     assert (spike < config.spike_excess) is read, spike
     if read:
@@ -938,7 +938,7 @@ def test_rows_the_thresholds_in_use_flag_do_not_feed_the_batchs_spike_reading():
     injected[40:42] = True
     evidence = RolloutEvidence(evidence.mask, evidence.engine_logprobs, trainer, injected=injected)
     own = torch.ones(NUM_ENGINE_BUCKETS, dtype=torch.bool)
-    thresholds, _ = batch_thresholds(evidence, config, Thresholds.fixed(config), own, spiky=own, spike_floor=1.5)
+    thresholds, _, _ = batch_thresholds(evidence, config, Thresholds.fixed(config), own, spiky=own, spike_floor=1.5)
     assert float(thresholds.spike[2]) == pytest.approx(1.5)
     suspect = RolloutGuard(config).inspect(evidence, step=1, sampling=SETTINGS).suspect
     assert suspect.tolist() == injected.tolist()

@@ -167,7 +167,7 @@ def case_batch_centres(fused):
     trainer[2, 60:] = engine[2, 60:] - 0.8 - 1.2  # a late drift of 1.2 nats per token beyond the offset
     evidence = RolloutEvidence(mask=torch.ones(12, 120, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
     fixed, layout = Thresholds.fixed(config), PacketLayout(12)
-    judged, shift = batch_thresholds(evidence, config, fixed, torch.ones(4, dtype=torch.bool))
+    judged, shift, _ = batch_thresholds(evidence, config, fixed, torch.ones(4, dtype=torch.bool))
     assert float(shift.abs().max()) > 0.5, "the batch must move some centre"
     reference = reanchor(reference_packet(evidence, config, judged), layout, shift)
     assert reference[layout.reasons].tolist()[2] != 0, "the drift must be caught around the batch's centre"
@@ -190,7 +190,7 @@ def case_batch_spike_thresholds(fused):
                                trainer_logprobs=trainer)
     fixed, layout = Thresholds.fixed(config), PacketLayout(12)
     every = torch.ones(4, dtype=torch.bool)
-    judged, _ = batch_thresholds(evidence, config, fixed, every, spiky=every, spike_floor=1.5)
+    judged, _, _ = batch_thresholds(evidence, config, fixed, every, spiky=every, spike_floor=1.5)
     assert float(judged.spike[2]) == 1.5, "the batch reads the floor"
     reference = reference_packet(evidence, config, judged)
     assert [i for i, reason in enumerate(reference[layout.reasons].tolist()) if reason] == [4]
