@@ -51,9 +51,11 @@ SCENARIOS = {
                       config={"mask_truncated_completions": True, "max_completion_length": 6}),
     # the engine-level fault of vLLM PR #32118 (stale Mamba state read by a new 1-token request) in TRL's colocate
     # engine, tiny Mamba2 model (engine bf16, trainer fp32); learning rate 0, so that the re-scoring with the
-    # initial weights is the ground truth of every step. The control: the same engine settings, no fault.
-    "stale_state": dict(mode="quarantine", rate=None, lr=0.0, config={}),
-    "stale_state_control": dict(mode="quarantine", rate=None, lr=0.0, config={}),
+    # initial weights is the ground truth of every step. The control: the same engine settings, no fault. 48
+    # rollouts a step (~330 completion tokens), so that the batch holds enough tokens of a bucket for the
+    # changepoint rule to read it around the batch's own noise (statistics.BATCH_CENTRE_MIN_TOKENS)
+    "stale_state": dict(mode="quarantine", rate=None, lr=0.0, config={"per_device_train_batch_size": 48}),
+    "stale_state_control": dict(mode="quarantine", rate=None, lr=0.0, config={"per_device_train_batch_size": 48}),
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
     # spike_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
     # scenario checks that both alert kinds reach the trackers

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollout_guard.statistics import COLUMN
 from rollout_guard.store import read_records
+from rollout_guard.verdict import RULE_BIT
 from tests.processes import run_group
 
 SCENARIO_SCRIPT = Path(__file__).with_name("grpo_scenario.py")
@@ -242,8 +244,6 @@ def test_truncated_rows_are_judged_and_flagged_ones_leave_the_baseline(tmp_path_
     logprobs and its own trainer logprobs (TRL's were computed under a zero mask), quarantines the corrupted ones
     (baseline without them: the hand-computed reference) and keeps the clean ones; the loss normaliser still counts
     loss tokens only."""
-    from rollout_guard.statistics import COLUMN
-
     result, log = run_scenario("truncated", tmp_path_factory, tiny_model_dir)
     assert check_quarantine_batches(result) >= 3  # quarantined == injected, reference advantages, loss-token count
     injected_truncated = clean_truncated = 0
@@ -288,28 +288,38 @@ def test_stale_state_fault_in_a_grpo_loop_is_quarantined_and_nothing_else(tmp_pa
     """The engine-level fault of vLLM PR #32118 (a new 1-token request reads the Mamba state a finished request left
     in its recycled slot) inside TRL's colocate engine, a real GRPO loop, the guard attached in quarantine mode.
     Ground truth: every rollout re-scored with transformers. The guard quarantines exactly the corrupted rollouts,
-    and their groups' advantages are those of the hand-computed reference without them."""
+    and their groups' advantages are those of the hand-computed reference without them. The ``changepoint`` rule
+    judges every step (no bucket's centre is known in 4 steps: it reads the batch's own noise) and fires on
+    corrupted rollouts only."""
     result, log = run_scenario("stale_state", tmp_path_factory, mamba2_dir, steps=4)
     truth = stale_state_truth(result)
     corrupted = int(sum(t.sum() for t in truth))
     assert result["fault_stats"]["new_rows_run_as_decode"] > 0 and corrupted >= 3, (result["fault_stats"], corrupted)
     group = result["num_generations"]
+    changepoint_fired = 0
     for step, (raw, guarded, rewards, report, bad) in enumerate(
         zip(result["raw"], result["guarded"], result["rewards"], result["reports"], truth, strict=True)
     ):
         assert torch.equal(report["quarantined"], bad), f"step {step}: {report['quarantined'].tolist()} vs {bad.tolist()}"
         assert torch.allclose(guarded["advantages"], reference_advantages(rewards, group, bad), atol=1e-5)
         assert int(guarded["num_items_in_batch"]) == int(guarded["completion_mask"].sum())
+        scores = report["samples"][:, COLUMN["changepoint_score"]]
+        fired = (report["reasons"] & RULE_BIT["changepoint"]) != 0
+        assert torch.isfinite(scores[~bad]).all(), f"step {step}: a clean row not scored"
+        assert not (fired & ~bad).any(), f"step {step}: clean rows {scores[fired & ~bad].tolist()}"
+        changepoint_fired += int(fired.sum())
     assert result["summary"]["quarantined"] == corrupted
+    assert changepoint_fired >= corrupted // 2, (changepoint_fired, corrupted)  # rows with a token it reads
 
 
 def test_stale_state_control_without_the_fault_quarantines_nothing(tmp_path_factory, mamba2_dir):
     """The same engine settings (token budget 8, 12 state slots) without the fault: every rollout agrees with the
-    re-scoring to bf16 noise, and the guard quarantines nothing."""
+    re-scoring to bf16 noise, and the guard quarantines nothing; the ``changepoint`` rule scored every rollout."""
     result, log = run_scenario("stale_state_control", tmp_path_factory, mamba2_dir, steps=2)
     assert result["fault_stats"]["new_rows_run_as_decode"] == 0
     assert all(bool((rescored <= CLEAN_NOISE).all()) for rescored in result["rescored_max_delta"])
-    assert result["summary"]["rollouts"] == 32 and result["summary"]["suspect"] == 0 and result["summary"]["quarantined"] == 0
+    assert result["summary"]["rollouts"] == 96 and result["summary"]["suspect"] == 0 and result["summary"]["quarantined"] == 0
+    assert all(torch.isfinite(report["samples"][:, COLUMN["changepoint_score"]]).all() for report in result["reports"])
 
 
 def test_without_vllm_and_without_trl_logprobs_the_guard_runs_no_forward_pass_and_says_it_checks_nothing(
@@ -334,8 +344,6 @@ def test_single_sided_modes_catch_nan_without_an_extra_forward_pass(tmp_path_fac
     """Trainer-only (use_vllm=False, TRL's own old logprobs) and engine-only (no IS correction,
     compute_trainer_logprobs=False): NaN and +inf are caught (rows 1 and 6, nothing else), no forward pass is added
     to TRL's own, and the attach line and the summary say these modes check non-finite values only."""
-    from rollout_guard.verdict import RULE_BIT
-
     result, log = run_scenario(scenario, tmp_path_factory, tiny_model_dir)
     reports = result["reports"]
     assert reports and result["global_step"] == 4
