@@ -271,8 +271,9 @@ class GuardConfig:
     extra forward pass, no host sync; on one H200, 1.5 B-parameter shape, vocabulary 151,936: +45 ms next to TRL's
     135-ms scoring pass of 16 × 1,024 tokens, 8 % of that pass and the training pass together,
     ``benchmarks/support_overhead.py``); a token whose recomputed logprob
-    differs from TRL's by more than 0.1 nat keeps ``log Z = 0``, and a failure in the hook turns the option off for
-    the run (counted in ``guard_failures``). Top-p alone stays with the calibration: its offset is at most
+    differs from TRL's by more than 0.1 nat keeps ``log Z = 0``, and a failure in the hook on any process turns the
+    option off for the run on every process: that step is not judged (one ``guard_failures``) and the calibration
+    starts over from the next. Top-p alone stays with the calibration: its offset is at most
     ``−log top_p`` and its ``log Z`` would need a sort of the vocabulary per token (+296 ms there). The offset varies
     token by token (standard deviation 0.26–0.35 nats under top-k = 20 on the fidelity benchmark's H200 rollouts;
     the engine-vs-trainer noise of the same tokens on one support: 0.014–0.025), so on the support the calibrated

@@ -63,9 +63,18 @@ class StepReport:
     skipped: bool = False  # the guard failed on some rank this step; the batch passes through unguarded
     # the circuit breaker's reason to stop (quarantine mode, on_ceiling "stop"/"raise")
     stop_training: str | None = None
-    check_failed_on: list[int] = field(default_factory=list)  # ranks whose adapter check failed (see inspect)
+    check_flags: list[int] = field(default_factory=list)  # per rank, the caller's check flags (see inspect); 0: none
     drift_threshold: float | None = None  # nats: the drift threshold this step was judged with (calibrated)
     changepoint_threshold: float | None = None  # ln Λ: the changepoint rule's this step (None: it did not judge)
+
+    @property
+    def check_failed_on(self) -> list[int]:
+        """The ranks where some check of the caller's failed (a nonzero flag)."""
+        return [rank for rank, flags in enumerate(self.check_flags) if flags]
+
+    def flagged_on(self, flag: int) -> list[int]:
+        """The ranks whose check flags include ``flag`` (one bit of the caller's own)."""
+        return [rank for rank, flags in enumerate(self.check_flags) if flags & flag]
 
     @property
     def any_quarantined(self) -> bool:
@@ -141,12 +150,14 @@ class RolloutGuard:
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
-                check_failed: torch.Tensor | bool = False, sampling: Sequence[object] | None = None) -> StepReport:
+                check_failed: torch.Tensor | bool | int = False,
+                sampling: Sequence[object] | None = None) -> StepReport:
         """Judge one batch. ``evidence`` may instead be the exception raised while collecting it on this rank;
         ``batch_size`` (rows on this rank) lets a failing rank still join the collective with the right shape.
-        ``check_failed``: this rank's verdict on a check of the caller's own (a bool, or a 0-dim device tensor so
-        that it costs no host sync), carried in the one gather: ``report.check_failed_on`` lists the ranks where it
-        failed, the same on every rank, so that all of them act on it together. ``sampling``: the settings these
+        ``check_failed``: this rank's verdict on checks of the caller's own (a bool, a bitmask of flags below 2^24,
+        or a 0-dim device tensor so that it costs no host sync), carried in the one gather, also in a step the guard
+        could not judge: ``report.check_flags`` holds every rank's, the same on every rank, so that all of them act
+        on it together (``report.check_failed_on``, ``report.flagged_on(flag)``). ``sampling``: the settings these
         rollouts were sampled with (e.g. temperature, top_p, top_k; the same on every rank); when they differ from
         the previous step's, the calibrated centres start over (:meth:`recalibrate`): the processed logprobs' offset
         depends on them. A guard that has been told them also judges with its own drift threshold and the lower
@@ -183,7 +194,7 @@ class RolloutGuard:
         if isinstance(check_failed, torch.Tensor):  # a device flag: copied on the device, no host sync
             packet[1:2] = check_failed.to(device=packet.device, dtype=packet.dtype).reshape(1)
         elif check_failed:
-            packet[1:2] = 1.0
+            packet[1:2] = float(check_failed)
         sent = packet.to(self.device)
         # this rank's verdicts as a device mask, launched before the gather's wait (no host→device copy after it)
         local = sent[PacketLayout(batch).reasons] != 0 if self.config.quarantines else None
@@ -191,7 +202,7 @@ class RolloutGuard:
         try:
             return self._judge(step, batch, gathered, error, started, local)
         except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
-            return self._failed_step(step, batch, gathered[:, 0].cpu(), caught, started)
+            return self._failed_step(step, batch, gathered[:, :2].cpu(), caught, started)
 
     def recalibrate(self) -> None:
         """Start the calibration over (:meth:`Calibration.restart`): centre 0, the warm-up allowance and the
@@ -288,7 +299,7 @@ class RolloutGuard:
         host = gathered.cpu()
         head = host[:, :2].tolist()  # per rank: status, check flag
         if any(status != STATUS_OK for status, _ in head):
-            return self._failed_step(step, batch, host[:, 0], error, started)
+            return self._failed_step(step, batch, host[:, :2], error, started)
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
         reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         suspect_host = reasons_host != 0
@@ -309,7 +320,7 @@ class RolloutGuard:
             delta_histogram=histogram,
             local_rows=local_rows,
             local_quarantined=local_quarantined,
-            check_failed_on=[rank for rank, (_, flag) in enumerate(head) if flag],
+            check_flags=[int(flag) for _, flag in head],
             drift_threshold=self._judged_drift,
             changepoint_threshold=self._judged_changepoint,
         )
@@ -338,8 +349,10 @@ class RolloutGuard:
         self._update_totals(report)
         return report
 
-    def _failed_step(self, step: int, batch: int, statuses: torch.Tensor, error: BaseException | None,
+    def _failed_step(self, step: int, batch: int, head: torch.Tensor, error: BaseException | None,
                      started: float) -> StepReport:
+        """The report of a step the guard could not judge; ``head``: (ranks, 2) status and check flags."""
+        statuses = head[:, 0]
         failed = [rank for rank, status in enumerate(statuses.tolist()) if status != STATUS_OK]
         structural = bool((statuses == STATUS_INPUT_ERROR).any())
         where = f"on process(es) {failed}" if failed else "after the gather"
@@ -359,6 +372,7 @@ class RolloutGuard:
             delta_histogram=torch.zeros(NUM_DELTA_BINS, dtype=torch.int64),
             local_rows=slice(self.process_index * batch, (self.process_index + 1) * batch),
             local_quarantined=torch.zeros(batch, dtype=torch.bool, device=self.device), skipped=True,
+            check_flags=[int(flag) for flag in head[:, 1].tolist()],
         )
         self.last_guard_seconds = time.perf_counter() - started
         report.metrics = {"guard_failures": float(self.totals.failures), "suspect": 0.0, "quarantined": 0.0,

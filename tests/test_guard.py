@@ -167,6 +167,27 @@ def test_a_check_flag_from_one_rank_reaches_every_rank():
         assert not any(r.skipped for r in reports)
 
 
+def test_check_flags_reach_every_rank_also_in_a_step_it_could_not_judge():
+    """Bits of the caller's own (the TRL adapter: replica 1, support hook 2) travel in the one gather whether or not
+    the step is judged: here rank 1 could not collect its evidence and says why in a flag, so that every rank can
+    act on it together (and skips the step together)."""
+    group = ThreadGroup(2)
+    guards = [RolloutGuard(GuardConfig(), gather=group.gather_for(rank), process_index=rank) for rank in range(2)]
+    reports = [None, None]
+
+    def run(rank: int) -> None:
+        evidence = batch(rank, []) if rank == 0 else RuntimeError("the support hook failed here")
+        flags = torch.tensor(True) if rank == 0 else 2
+        reports[rank] = guards[rank].inspect(evidence, step=3, batch_size=4, check_failed=flags)
+
+    group.run(run)
+    assert group.calls == [1, 1]
+    for report in reports:
+        assert report.skipped and report.check_flags == [1, 2]
+        assert report.flagged_on(2) == [1] and report.flagged_on(1) == [0] and report.check_failed_on == [0, 1]
+    assert [guard.totals.failures for guard in guards] == [1, 1]
+
+
 def test_counts_stay_exact_above_float32_precision():
     """Issue 9 point 8: 3 ranks × 5,592,407 compared tokens = 16,777,221 tokens in one histogram bin and in the
     token count, one more than float32 can hold exactly (2^24 + 5 rounds to 2^24 + 4)."""

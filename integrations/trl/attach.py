@@ -38,6 +38,10 @@ from rollout_guard.writer import BackgroundWriter, guard_snapshot
 
 logger = logging.getLogger("rollout_guard")
 
+# the adapter's own checks, as bits of the flags each process sends in the step's gather (RolloutGuard.inspect)
+REPLICA_CHECK = 1  # TRL's advantages differ from the guard's replica of them on this process
+SUPPORT_CHECK = 2  # the trainer's log-mass of the engine's support could not be computed on this process
+
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
 TRL_METRIC_PREFIX = "rollout_guard_window_mean/"
@@ -216,7 +220,6 @@ class TrlGuard:
             with self.support.active(first_only=True):
                 batch = self._original_generate_and_score(inputs)
             self._support_mass = self.support.first()
-            self._support_failed()
         else:
             batch = self._original_generate_and_score(inputs)
         if not self.trainer.model.training or self.nothing_to_check:
@@ -296,10 +299,15 @@ class TrlGuard:
         rewards = self._rewards_per_func
         records: list = []
         replica_failed: torch.Tensor | bool = False
+        support_failed = False
         truncated = self._truncated()
         forward_rows = self._forward_rows(len(truncated[0]))
         try:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch, truncated, forward_rows)
+            support_failed = self.support is not None and self.support.error is not None
+            if support_failed:  # this step's trainer logprobs are off the support here only: no process judges it
+                raise GuardError(f"computing the trainer's log-mass of the engine's support (compare_on_engine_support)"
+                                 f" failed: {type(self.support.error).__name__}: {self.support.error}")
             if self.config.quarantines:
                 check_action_inputs(batch, rewards, self.local_rows(), self.settings)
             if rewards is not None:
@@ -309,13 +317,16 @@ class TrlGuard:
         self.last_evidence = evidence if isinstance(evidence, RolloutEvidence) else None
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
-                                    check_failed=replica_failed, sampling=sampling_settings(trainer))
+                                    check_failed=SUPPORT_CHECK if support_failed else replica_failed,
+                                    sampling=sampling_settings(trainer))
         self.last_report = report
         if self._engine_step is not None and not report.skipped:
             report.metrics.update(self._engine_step.metrics)  # this process's engine, next to the mismatch
+        if report.flagged_on(SUPPORT_CHECK):
+            self._stop_comparing_on_support(report)
         guarded = batch
         if not report.skipped:
-            if report.check_failed_on:
+            if report.flagged_on(REPLICA_CHECK):
                 self._replica_mismatch(report)  # raises on every process in quarantine mode
             if report.any_quarantined:
                 try:
@@ -346,10 +357,11 @@ class TrlGuard:
         return slice(self.guard.process_index * rows, (self.guard.process_index + 1) * rows)
 
     def _replica_mismatch(self, report: StepReport) -> None:
-        message = replica_mismatch_message(report.check_failed_on, report.step)
+        ranks = report.flagged_on(REPLICA_CHECK)
+        message = replica_mismatch_message(ranks, report.step)
         if self.config.quarantines:
             raise GuardError(message)
-        alert = self.guard.alerts.error("advantage_replica", report.step, float(len(report.check_failed_on)), 0.0,
+        alert = self.guard.alerts.error("advantage_replica", report.step, float(len(ranks)), 0.0,
                                         "rollout_guard: TRL's advantages differ from the guard's replica at step "
                                         f"{report.step}",
                                         message + "; monitor mode: training goes on")
@@ -470,15 +482,21 @@ class TrlGuard:
         accelerator = self.trainer.accelerator
         return accelerator.gather(tokens.to(accelerator.device)) if accelerator.num_processes > 1 else tokens
 
-    def _support_failed(self) -> None:
-        """A failure in the support hook (its log Z was 0 there): reported as the guard's failures are, and the run
-        goes on without comparing on the support (the calibration absorbs the offset, as with the option off)."""
-        if self.support is not None and self.support.error is not None:
-            error, self.support = self.support.error, None
-            self._support_mass = None
-            self.guard.calibration.per_token_offset = True  # the offset stays: the changepoint rule stops judging
-            self._failure("computing the trainer's log-mass of the engine's support (compare_on_engine_support; "
-                          "the calibration absorbs the offset from now on)", error)
+    def _stop_comparing_on_support(self, report: StepReport) -> None:
+        """The support hook failed on some process (its log Z was 0 there), which that process's flag in the step's
+        gather says: the step was not judged (a failure, counted on every process), and from the next step every
+        process compares off the support, the offset left to a calibration started over (centres learned on the
+        support flag healthy rows off it: 12 of 256 in the failing step of a TRL run at top_k = 5, and on calibrated
+        synthetic batches the circuit breaker stopped training at once). The same on every process: the ranks'
+        flags are."""
+        ranks = report.flagged_on(SUPPORT_CHECK)
+        self.support, self._support_mass = None, None
+        self.guard.calibration.per_token_offset = True  # the offset stays: the changepoint rule stops judging
+        self.guard.recalibrate()
+        logger.warning("rollout_guard: the trainer's log-mass of the engine's support (compare_on_engine_support) "
+                       "could not be computed on process(es) %s at step %s, which passed unguarded; from the next step "
+                       "the guard compares off the support, the calibration started over to absorb the offset",
+                       ranks, report.step)
 
     def _trainer_logprobs(self, batch: dict[str, Any], completion_attention: torch.Tensor,
                           rows: list[int] | None = None,
@@ -501,7 +519,6 @@ class TrlGuard:
                 trainer.model, input_ids, attention_mask, width, batch_size=trainer.args.per_device_train_batch_size,
             )
         log_mass = self.support.first() if self.support is not None else None
-        self._support_failed()
         if rows is None:
             return logprobs, log_mass
         self.last_truncated_pass = {"rows": float(forward_rows), "tokens": float(attention_mask.sum()),

@@ -97,8 +97,8 @@ def test_a_top_k_step_is_judged_on_the_engine_support(high_entropy_model, tmp_pa
 
 
 def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monkeypatch):
-    """A model whose LM head the hook cannot call: the step is judged without the support (the
-    offset left to the calibration), the failure is counted and reported once, and the option is off from then."""
+    """A model whose LM head the hook cannot call: the step it fails in is not judged (a failure, counted and
+    reported), and from the next the guard compares off the support, the offset left to the calibration."""
     import rollout_guard.integrations.trl.support as support
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.trl import attach_guard
@@ -111,10 +111,91 @@ def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monke
     guarded = attach_guard(trainer, GuardConfig(output_dir=str(tmp_path / "guard")), keep_steps=True)
     trainer.train()
     assert len(guarded.steps) == 2 and guarded.support is None
+    assert guarded.steps[0].report.skipped and not guarded.steps[1].report.skipped
     assert guarded.guard.totals.failures == 1
     assert guarded.guard.calibration.per_token_offset  # top-k's offset stays: the changepoint rule stops judging
-    evidence = guarded.steps[0].evidence
+    evidence = guarded.steps[1].evidence
     assert float((evidence["engine"] - evidence["trainer"])[evidence["mask"].bool()].abs().mean()) > 0.5  # uncorrected
+    assert not guarded.steps[1].report.suspect.any()
+
+
+STEPS, FAIL = 12, 8  # the hook fails from step FAIL of STEPS
+
+
+def test_a_hook_that_fails_mid_run_leaves_no_healthy_row_flagged(high_entropy_model, tmp_path, monkeypatch):
+    """The hook fails at step 8, after seven steps in which the calibration set its centres on the support (top_k
+    = 5, a flat policy: off the support the offset is ≈ 1.3 nats on every token). Judged against those centres, the
+    failing step's healthy rows were flagged (12 of 256 before this was fixed; on a calibrated run's synthetic
+    batches the circuit breaker stopped training at once, blaming the engine); now that step passes unjudged and
+    the calibration starts over off the support."""
+    import rollout_guard.integrations.trl.support as support
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.trl import attach_guard
+
+    trainer = make_trainer(high_entropy_model, tmp_path / "trainer", top_k=5, max_steps=STEPS,
+                           per_device_train_batch_size=256, num_generations=16)
+    working = support.token_log_mass
+
+    def failing_from_step_fail(*args, **kwargs):
+        if trainer.state.global_step >= FAIL - 1:  # scoring the rollouts of step FAIL
+            raise RuntimeError("out of memory in the LM-head projection")
+        return working(*args, **kwargs)
+
+    monkeypatch.setattr(support, "token_log_mass", failing_from_step_fail)
+    guarded = attach_guard(trainer, GuardConfig(output_dir=str(tmp_path / "guard")), keep_steps=True)
+    trainer.train()
+    assert guarded.stop_reason is None and len(guarded.steps) == STEPS
+    before = guarded.steps[FAIL - 2].report.metrics
+    assert before["calibration/spread_b1"] > 0 and before["calibration/spread_b2"] > 0, "centres set on the support"
+    assert [step.report.skipped for step in guarded.steps] == [i == FAIL - 1 for i in range(STEPS)]
+    assert guarded.guard.totals.failures == 1 and guarded.support is None and guarded.guard.calibration_resets == 1
+    delta = [float((s.evidence["engine"] - s.evidence["trainer"])[s.evidence["mask"].bool()].abs().mean())
+             for s in guarded.steps if not s.report.skipped]
+    assert max(delta[:FAIL - 1]) < 1e-3 < 0.5 < min(delta[FAIL - 1:]), delta  # on the support, then off it
+    flagged = [int(step.report.suspect.sum()) for step in guarded.steps]
+    assert not any(flagged), flagged
+
+
+def test_a_hook_that_fails_on_one_process_changes_every_process_alike(high_entropy_model, tmp_path):
+    """Two CPU processes (gloo); the hook fails from step 4 on rank 1 only. The flag travels in the step's one
+    gather, so both ranks skip that step, stop comparing on the support and start the calibration over together:
+    the same metrics, verdicts and guard state on both, and no healthy row flagged. (Before, only rank 1 switched:
+    its failure was counted there alone, and rank 0 went on comparing on the support, with the changepoint rule
+    judging on one rank and not on the other.)"""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.integrations.support_failure import FAIL, STEPS
+    from tests.processes import run_group
+
+    worker = Path(__file__).with_name("support_failure.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+           "TRL_EXPERIMENTAL_SILENCE": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(worker),
+               str(high_entropy_model), str(tmp_path)]
+    done = run_group(command, timeout=600, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for result in ranks:
+        assert [step["skipped"] for step in result["steps"]] == [i == FAIL - 1 for i in range(STEPS)]
+        assert result["steps"][FAIL - 1]["check_flags"] == [0, 2]
+        assert result["failures"] == 1 and not result["support"] and result["per_token_offset"]
+        assert result["resets"] == 1
+        assert not any(step["suspect"].any() for step in result["steps"])
+    for mine, theirs in zip(*(result["steps"] for result in ranks), strict=True):
+        assert mine["metrics"].keys() == theirs["metrics"].keys()
+        assert all(a == b or (a != a and b != b) for a, b in zip(mine["metrics"].values(), theirs["metrics"].values(),
+                                                                 strict=True)), (mine["metrics"], theirs["metrics"])
+        assert torch.equal(mine["suspect"], theirs["suspect"])
+    for result in ranks:  # the guard's state but each step's timing
+        for row in result["state"]["totals"]["history"]:
+            row.pop("guard_seconds")
+    assert repr(ranks[0]["state"]) == repr(ranks[1]["state"])
+    after = ranks[0]["steps"][FAIL]["evidence"]  # rank 0, the step after: off the support as on rank 1
+    assert float((after["engine"] - after["trainer"])[after["mask"].bool()].abs().mean()) > 0.5
 
 
 def test_a_hybrid_model_with_a_logit_multiplier_is_captured_exactly(tiny_model_dir, tmp_path):
