@@ -62,6 +62,9 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
                      f"false alarms {totals.false_alarms}")
     if totals.failures:
         lines.append(f"  guard failures: {totals.failures} steps passed through unguarded (see the warnings above)")
+    if totals.output_failures:
+        lines.append(f"  output failures: {totals.output_failures} (records, sinks or engine context on this process; "
+                     "those steps were judged: see the warnings above)")
     if totals.stopped:
         lines.append(f"  {totals.stopped}")
     if directory is not None:

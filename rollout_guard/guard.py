@@ -85,7 +85,7 @@ class StepReport:
 
 
 _COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps",
-             "failures", "steps_above_ceiling")
+             "failures", "output_failures", "steps_above_ceiling")
 
 
 @dataclass
@@ -100,7 +100,10 @@ class GuardTotals:
     caught: int = 0  # injected and suspect
     false_alarms: int = 0  # suspect but not injected (counted only when an injector labels the batch)
     labelled_steps: int = 0  # steps whose batch carried injector labels
-    failures: int = 0  # steps the guard could not judge (non-strict mode)
+    failures: int = 0  # steps the guard could not judge (non-strict mode): their batches passed through unguarded
+    # failures, on this process, of what is written or collected beside the verdict (records, decoding, sinks, the
+    # engine context; non-strict mode): those steps were judged
+    output_failures: int = 0
     steps_above_ceiling: int = 0  # consecutive steps above max_quarantine_share, for the circuit breaker
     rule_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     history: list[dict[str, float]] = field(default_factory=list)  # one compact row per step, for charts
@@ -479,6 +482,7 @@ class RolloutGuard:
         summary = {
             "steps": totals.steps, "rollouts": totals.rollouts, "suspect": totals.suspect,
             "quarantined": totals.quarantined, "alerts": self.alerts.sent, "guard_failures": totals.failures,
+            "output_failures": totals.output_failures,
             **{f"rule/{k}": v for k, v in totals.rule_counts.items()},
         }
         if totals.labelled_steps:

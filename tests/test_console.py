@@ -58,6 +58,11 @@ def test_summary_in_monitor_mode_and_without_steps():
     lines = summary_lines(guard)
     assert lines == ["rollout_guard: 1 step, 8 rollouts judged; 0 suspect (monitor mode: all kept in the loss), 0.00%.",
                      "  rules fired: none"]  # no worst step when nothing was suspect, no paths without a folder
+    guard.totals.output_failures = 2  # a sink failed twice: the steps were still judged, and the summary says so
+    assert lines + ["  output failures: 2 (records, sinks or engine context on this process; those steps were judged: "
+                    "see the warnings above)"] == summary_lines(guard)
+    guard.totals.failures = 1
+    assert "guard failures: 1 steps passed through unguarded" in summary_lines(guard)[-2]
 
 
 PLAIN_SCRIPT = """

@@ -451,18 +451,20 @@ class TrlGuard:
 
     def _writer_failures(self) -> None:
         """Report what failed on the writer thread since the last look, on this (the training) thread: raised in
-        strict mode, else counted in ``guard_failures`` and logged."""
+        strict mode, else counted in ``output_failures`` and logged."""
         if self.writer is None:
             return
         for what, error in self.writer.take_errors():
             self._failure(what, error)
 
     def _failure(self, what: str, error: BaseException) -> None:
+        """A failure beside the verdict (records, decoding, sinks, the engine context): the step was judged; raised
+        in strict mode, else counted in ``output_failures`` (this process's) and logged."""
         if self.config.strict:
             raise error
-        self.guard.totals.failures += 1
-        logger.warning("rollout_guard: failed while %s (%s: %s); training goes on. Failures so far: %s",
-                       what, type(error).__name__, error, self.guard.totals.failures)
+        self.guard.totals.output_failures += 1
+        logger.warning("rollout_guard: failed while %s (%s: %s); the step was judged and training goes on. Output "
+                       "failures so far: %s", what, type(error).__name__, error, self.guard.totals.output_failures)
 
     def _forward_rows(self, local: int) -> int:
         """Rows of this step's truncated-row pass on every process: the most truncated rows of any process (a

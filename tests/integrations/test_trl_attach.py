@@ -239,5 +239,6 @@ def test_a_failing_sink_surfaces_on_the_training_thread(tiny_model_dir, tmp_path
             trainer.train()
         return
     trainer.train()
-    assert guarded.guard.totals.failures == 2, "one failed on_records per step, counted on the training thread"
+    assert guarded.guard.totals.output_failures == 2, "one failed on_records per step, counted on the training thread"
+    assert guarded.guard.totals.failures == 0, "both steps were judged"
     assert [step for step, _, _ in sink.steps] == [1, 2] and sink.ended
