@@ -318,7 +318,7 @@ class TrlGuard:
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
                                     check_failed=SUPPORT_CHECK if support_failed else replica_failed,
-                                    sampling=sampling_settings(trainer))
+                                    sampling=self._comparison(trainer))
         self.last_report = report
         if self._engine_step is not None and not report.skipped:
             report.metrics.update(self._engine_step.metrics)  # this process's engine, next to the mismatch
@@ -484,17 +484,22 @@ class TrlGuard:
         accelerator = self.trainer.accelerator
         return accelerator.gather(tokens.to(accelerator.device)) if accelerator.num_processes > 1 else tokens
 
+    def _comparison(self, trainer: Any) -> tuple[str, ...]:
+        """What the guard compares, handed to it each step as the sampling settings are: a change of either starts
+        the calibration over (:meth:`RolloutGuard.inspect`), and both are saved with checkpoints, so that a run
+        resumed on another basis (on the engine's support again after the hook failed, or no longer) does too."""
+        return (*sampling_settings(trainer), f"on_engine_support={self.support is not None}")
+
     def _stop_comparing_on_support(self, report: StepReport) -> None:
         """The support hook failed on some process (its log Z was 0 there), which that process's flag in the step's
         gather says: the step was not judged (a failure, counted on every process), and from the next step every
-        process compares off the support, the offset left to a calibration started over (centres learned on the
-        support flag healthy rows off it: 12 of 256 in the failing step of a TRL run at top_k = 5, and on calibrated
-        synthetic batches the circuit breaker stopped training at once). The same on every process: the ranks'
-        flags are."""
+        process compares off the support, the offset left to a calibration started over (:meth:`_comparison`;
+        centres learned on the support flag healthy rows off it: 12 of 256 in the failing step of a TRL run at top_k
+        = 5, and on calibrated synthetic batches the circuit breaker stopped training at once). The same on every
+        process: the ranks' flags are."""
         ranks = report.flagged_on(SUPPORT_CHECK)
         self.support, self._support_mass = None, None
         self.guard.calibration.per_token_offset = True  # the offset stays: the changepoint rule stops judging
-        self.guard.recalibrate()
         logger.warning("rollout_guard: the trainer's log-mass of the engine's support (compare_on_engine_support) "
                        "could not be computed on process(es) %s at step %s, which passed unguarded; from the next step "
                        "the guard compares off the support, the calibration started over to absorb the offset",

@@ -156,6 +156,50 @@ def test_a_hook_that_fails_mid_run_leaves_no_healthy_row_flagged(high_entropy_mo
     assert not any(flagged), flagged
 
 
+WARMUP = 500  # calibration_warmup_tokens
+
+
+def test_a_run_resumed_on_another_basis_starts_its_calibration_over(high_entropy_model, tmp_path, monkeypatch):
+    """A run whose hook failed is saved with its calibration learned off the support; resumed with a working hook
+    it compares on the support again, ≈ 1.3 nats lower on every token, so the restored calibration no longer holds:
+    the basis is saved with the sampling settings and the calibration starts over at the first step, as at a change
+    of setting. Before, the restored calibration was kept and 242 of the first step's 256 healthy rows were flagged:
+    the circuit breaker stopped training, "the engine itself looks broken (max |Δ| 4.77e-07 nats)". (Calibrated
+    after 500 kept tokens per bucket instead of 20,000, so that a few steps of this tiny run get there.)"""
+    import rollout_guard.integrations.trl.support as support
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.trl import attach_guard
+
+    settings = dict(top_k=5, per_device_train_batch_size=256, num_generations=16)
+    first = make_trainer(high_entropy_model, tmp_path / "first", max_steps=12, **settings)
+    working = support.token_log_mass
+
+    def failing_from_step_2(*args, **kwargs):
+        if first.state.global_step >= 1:
+            raise RuntimeError("out of memory in the LM-head projection")
+        return working(*args, **kwargs)
+
+    monkeypatch.setattr(support, "token_log_mass", failing_from_step_2)
+    guarded = attach_guard(first, GuardConfig(output_dir=str(tmp_path / "guard"), calibration_warmup_tokens=WARMUP),
+                           keep_steps=True)
+    first.train()
+    assert guarded.support is None and guarded.guard.calibration_resets == 1
+    assert guarded.steps[-1].report.metrics["calibrated_buckets"] >= 2, "calibrated off the support"
+    (tmp_path / "checkpoint").mkdir()
+    guarded.save_state(tmp_path / "checkpoint")
+    monkeypatch.setattr(support, "token_log_mass", working)
+    second = make_trainer(high_entropy_model, tmp_path / "second", max_steps=3, **settings)
+    resumed = attach_guard(second, GuardConfig(output_dir=str(tmp_path / "guard2"), calibration_warmup_tokens=WARMUP),
+                           keep_steps=True)
+    assert resumed.load_state(tmp_path / "checkpoint") and resumed.guard.calibration_resets == 1
+    second.train()
+    assert resumed.support is not None and resumed.guard.calibration_resets == 2
+    evidence = resumed.steps[0].evidence
+    assert float((evidence["engine"] - evidence["trainer"])[evidence["mask"].bool()].abs().max()) < 1e-3
+    flagged = [int(step.report.suspect.sum()) for step in resumed.steps]
+    assert not any(flagged), flagged
+
+
 def test_a_hook_that_fails_on_one_process_changes_every_process_alike(high_entropy_model, tmp_path):
     """Two CPU processes (gloo); the hook fails from step 4 on rank 1 only. The flag travels in the step's one
     gather, so both ranks skip that step, stop comparing on the support and start the calibration over together:
