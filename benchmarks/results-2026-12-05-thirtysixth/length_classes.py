@@ -4,8 +4,8 @@ budget q) instead of over all rows (K = 1)? The misses are short rows (median 19
 Cross-fitted as ``../results-2026-12-04-thirtieth/changepoint_trade_off.py``, the noise over the guard's four
 engine buckets, the hybrid-7B-tail conditions, 4,000 late-onset rows each; per K the most caught among the 21
 budgets of ``../results-2026-12-04-thirtyfifth/trade_off_fine_grid.py`` whose held-out clean rows flagged stay within
-each share ("–": no budget does). More than half of these conditions' rows stop at the 256-token limit, so K = 2
-is K = 1 (one class) and K = 4 gives two: up to ~82–85 tokens, and the rest.
+each share ("–": no budget does). In the hybrid-seed1 and llama conditions more than half the rows stop at the
+256-token limit, so there K = 2 is K = 1 (one class) and K = 4 gives two: up to ~82–85 tokens, and the rest.
 
     python benchmarks/results-2026-12-05-thirtysixth/length_classes.py SEED
 """
