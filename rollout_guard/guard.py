@@ -364,8 +364,9 @@ class RolloutGuard:
                 raise error
             raise GuardError(f"rollout_guard failed {where} at step {step}; that process's log names the field")
         self.totals.failures += 1
+        cause = error if error is not None else "that process's log names the cause"
         logger.warning("rollout_guard: could not judge step %s (%s: %s); the batch passes through unguarded. "
-                       "Failures so far: %s", step, where, error, self.totals.failures)
+                       "Failures so far: %s", step, where, cause, self.totals.failures)
         world = max(len(statuses), 1)
         empty = torch.zeros(world * batch, dtype=torch.bool)
         report = StepReport(
