@@ -163,9 +163,9 @@ def test_a_run_resumed_on_another_basis_starts_its_calibration_over(high_entropy
     """A run whose hook failed is saved with its calibration learned off the support; resumed with a working hook
     it compares on the support again, d ≈ 1.3 nats lower on every token, so the restored calibration no longer
     holds: the basis is saved with the sampling settings and the calibration starts over at the first step, as at a
-    change of setting. Before, the restored calibration was kept and 242 of the first step's 256 healthy rows were flagged:
-    the circuit breaker stopped training, "the engine itself looks broken (max |Δ| 4.77e-07 nats)". (Calibrated
-    after 500 kept tokens per bucket instead of 20,000, so that a few steps of this tiny run get there.)"""
+    change of setting. Before, the restored calibration was kept and 242 of the first step's 256 healthy rows were
+    flagged: the circuit breaker stopped training, "the engine itself looks broken (max |Δ| 4.77e-07 nats)".
+    (Calibrated after 500 kept tokens per bucket instead of 20,000, so that a few steps of this tiny run get there.)"""
     import rollout_guard.integrations.trl.support as support
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.trl import attach_guard
