@@ -391,11 +391,13 @@ class RolloutGuard:
         totals.steps_above_ceiling = totals.steps_above_ceiling + 1 if share > config.max_quarantine_share else 0
         if totals.steps_above_ceiling < config.ceiling_steps:
             return
+        fired = sorted(((name, int(report.metrics[f"rule/{name}"])) for name in RULES), key=lambda item: -item[1])
+        rules = ", ".join(f"{name} {count}" for name, count in fired if count)
         reason = (
             f"{share:.0%} of the rollouts at step {report.step} were suspect, above max_quarantine_share="
             f"{config.max_quarantine_share:g} for {totals.steps_above_ceiling} step(s) in a row: "
             "the engine itself looks broken "
-            f"(max |Δ| {report.metrics['max_abs_delta']:.3g} nats), not one sample"
+            f"(max |Δ| {report.metrics['max_abs_delta']:.3g} nats; rules fired: {rules}), not one sample"
         )
         if config.on_ceiling in ("stop", "raise") and config.quarantines:  # monitor mode never stops training
             report.stop_training = (f"rollout_guard stopped training: {reason}. "

@@ -125,6 +125,8 @@ def test_circuit_breaker_stops_or_alerts_as_configured():
     assert stopping.inspect(batch(0, [0, 1, 2]), step=1).stop_training is None  # 75 %, but only one step so far
     report = stopping.inspect(batch(1, [0, 1, 2]), step=2)
     assert report.stop_training and "max_quarantine_share=0.5 for 2 step(s)" in report.stop_training
+    # the rules that fired at that step, most first, each with its count of rows: where a person starts looking
+    assert "rules fired: mean_drift 3, confident_wrong 3, directional_spike 3, drift 3)" in report.stop_training
     assert [a.kind for a in report.alerts if a.level == "ERROR"] == ["circuit_breaker"]
     assert stopping.summary()["stopped"] == report.stop_training
     alerting = RolloutGuard(GuardConfig(max_quarantine_share=0.5, on_ceiling="alert", alert_cooldown_steps=10))
