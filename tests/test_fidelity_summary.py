@@ -1,0 +1,42 @@
+"""`benchmarks/fidelity_summary.py`, the totals the README quotes from the fidelity benchmark's results files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.fidelity_summary import below_goal, summary  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results-2026-12-04-thirtyfourth"
+
+
+def condition(name: str, late: tuple[int, bool], false: int, rate: float, flagged: int) -> dict:
+    return {"condition": name, "figures": {
+        "clean": {"rows": 1000, "false": false, "false_rate": rate,
+                  "resampled": {"judged": 5000, "false": flagged, "false_rate": flagged / 5000}},
+        "late_onset": {"rows": 1000, "caught": late[0], "pass": late[1]},
+        "real_stale_weights": {"rows": 128, "caught": 0, "pass": False}}}
+
+
+def test_totals_sum_over_conditions_and_the_worst_share_is_the_largest():
+    """Two conditions: rows missed and false rows add up, the worst shares are each condition's largest, a cell
+    counts at the goal by its own ``pass`` (999 of 1,000 passes, 998 does not), a kind outside the totals (stale
+    weights: not corruption) still counts as a cell below the goal."""
+    results = {"seed": 3, "faults_per_condition": 1000, "stitch": 1, "results": [
+        condition("a", (999, True), 1, 0.001, 2), condition("b", (998, False), 0, 0.0, 7)]}
+    s = summary(results)
+    assert s["missed"]["late_onset"] == 3 and s["missed"]["isolated_spikes"] == 0
+    assert (s["false"], s["worst_false"], s["flagged"], s["worst_flagged"]) == (1, 0.001, 9, 7 / 5000)
+    assert (s["cells"], s["of"]) == (1, 4)
+    assert below_goal(results) == [("a", "real_stale_weights", 0, 128), ("b", "late_onset", 998, 1000),
+                                   ("b", "real_stale_weights", 0, 128)]
+
+
+def test_the_committed_run_gives_the_readme_figures():
+    """The README's "now" column: seed 0, told, 1,000 faults per kind and condition."""
+    s = summary(json.loads((RESULTS / "first-step-told.json").read_text()))
+    assert (s["cells"], s["of"], s["false"], s["flagged"]) == (198, 217, 7, 45)
+    assert (s["missed"]["late_onset"], s["missed"]["isolated_spikes"], s["missed"]["real_context_swap"]) == (6, 315, 6)
