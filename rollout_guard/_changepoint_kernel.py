@@ -48,7 +48,7 @@ def _score(total, best, summed, count, used, NUM_LAGS: tl.constexpr):
 @triton.jit
 def changepoint_chunks(
     engine_ptr, trainer_ptr, mask_ptr, centre_ptr, spread_ptr, lags_ptr, partial_ptr, out_ptr,
-    length, chunk_tokens, engine_stride, trainer_stride, mask_stride, edge0, edge1, edge2, min_gap,
+    length, chunk_tokens, engine_stride, trainer_stride, mask_stride, edge0, edge1, edge2, min_gap, token_cap,
     NUM_LAGS: tl.constexpr, LAG_SLOTS: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
 ):
     # program (row, chunk): the chunk's tokens [chunk · chunk_tokens, …); with WHOLE_ROW (one chunk a row) it
@@ -108,8 +108,9 @@ def changepoint_chunks(
         beyond = shifted > 0
         high = tl.where(beyond, tail, log_upper)
         low = tl.where(beyond, log_upper_tail, tail)
-        later = high + tl.log(1.0 - tl.minimum(tl.exp(low - high), 1.0 - 1e-7)) + offset
-        first = healthy - 0.5 * shifted * shifted
+        # each token's ratio held to at most e^token_cap (rollout_guard.changepoint.TOKEN_CAP)
+        later = tl.minimum(high + tl.log(1.0 - tl.minimum(tl.exp(low - high), 1.0 - 1e-7)) + offset, token_cap)
+        first = tl.minimum(healthy - 0.5 * shifted * shifted, token_cap)
         counted = read[:, None] & used[None, :]
         later = tl.where(counted, later, 0.0)
         through = tl.cumsum(later, axis=0) + carry[None, :]  # P_D(τ)

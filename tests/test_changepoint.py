@@ -19,10 +19,15 @@ from rollout_guard.verdict import RULE_BIT
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_score_matches_the_benchmark_statistic():
-    """The prototype's float64 ln Λ (``changepoint_every_condition.log_lr``) over the guard's engine buckets."""
+def test_score_matches_the_benchmark_statistic(monkeypatch):
+    """The prototype's float64 ln Λ (``changepoint_every_condition.log_lr``) over the guard's engine buckets, the
+    per-token cap lifted (the prototype has none; the cap: the next test)."""
+    import rollout_guard.changepoint as changepoint
+
     sys.path.insert(0, str(REPO / "benchmarks" / "results-2026-12-03-twentyeighth"))
     import changepoint_every_condition as prototype
+
+    monkeypatch.setattr(changepoint, "TOKEN_CAP", math.inf)
 
     generator = torch.Generator().manual_seed(0)
     engine = -torch.rand(64, 120, generator=generator) * 5
@@ -42,6 +47,27 @@ def test_score_matches_the_benchmark_statistic():
     got = changepoint_score(engine, trainer, valid, centre, spread).double()
     assert torch.isfinite(expected).all() and expected[:32].min() > expected[32:].max() - 50
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-3)
+
+
+def test_one_token_far_out_in_its_bucket_is_not_a_lag(monkeypatch):
+    """A bucket's Gaussian describes its body. The measured mismatch of the engine-surest bucket (−0.5 … 0 nats)
+    spreads 35-fold from sure tokens to those near −0.5 (``benchmarks/noise_shape.py``), so a healthy token there can
+    sit 8–10 of the bucket's σ out: alone, as a row's last token, it scored ln Λ 43 here, far above ln 1000 (the
+    rule's threshold until the kept rows are read). Each token's log ratio is held to TOKEN_CAP: that row stays under
+    ln 1000, while ten tokens lagging by 1 nat (≈ 3 σ) each from some onset still score far above."""
+    import rollout_guard.changepoint as changepoint
+
+    generator = torch.Generator().manual_seed(4)
+    centre, spread = torch.zeros(4), torch.tensor([0.0, 0.3, 0.3, 0.3])
+    engine = -0.5 * torch.rand(2, 60, generator=generator)  # all in the surest bucket
+    trainer = engine - 0.3 * torch.randn(2, 60, generator=generator)
+    valid = torch.ones(2, 60, dtype=torch.bool)
+    trainer[0, 59] = engine[0, 59] - 3.0  # the last token 10 σ out
+    trainer[1, 50:] -= 1.0  # a lag on the last ten tokens
+    scores = changepoint_score(engine, trainer, valid, centre, spread)
+    assert scores[0] < CHANGEPOINT_CEILING and scores[1] > CHANGEPOINT_CEILING + 40, scores
+    monkeypatch.setattr(changepoint, "TOKEN_CAP", math.inf)
+    assert changepoint_score(engine, trainer, valid, centre, spread)[0] > CHANGEPOINT_CEILING + 30, "uncapped"
 
 
 def test_rows_scored_in_chunks_score_as_one_batch(monkeypatch):
