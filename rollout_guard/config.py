@@ -207,7 +207,8 @@ class GuardConfig:
     changepoint_budget: float | None = 0.0002
     """share of the kept samples' scores, from which the threshold of rule ``changepoint`` is read: a sample fires
     where its change-point log likelihood ratio (:func:`rollout_guard.changepoint.changepoint_score`, against the
-    calibration's per-bucket centre and spread) exceeds the ``1 − changepoint_budget`` point of the scores of the
+    calibration's per-bucket centre and spread, each token's log ratio held to at most
+    :data:`rollout_guard.changepoint.TOKEN_CAP`, 10 nats, since the thirty-seventh session) exceeds the ``1 − changepoint_budget`` point of the scores of the
     samples kept by the other rules (:func:`rollout_guard.calibration.changepoint_threshold`), never above
     ln 1000 (:data:`rollout_guard.calibration.CHANGEPOINT_CEILING`, where it sits until
     :data:`rollout_guard.calibration.MIN_CHANGEPOINT_ROWS` such samples were scored with the same buckets read).
