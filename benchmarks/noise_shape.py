@@ -70,7 +70,8 @@ def fit_shapes(bins: list[dict], spread: str = "sd") -> dict[str, dict[str, floa
     """Each shape of ``SHAPES``: its best scale ``c`` and rms log residual ``r`` over the bins (the formula above).
 
     >>> s = np.linspace(0.05, 8, 12); bins = [{"surprise": v, "sd": 0.02 * (1 - np.exp(-v))} for v in s]
-    >>> fits = fit_shapes(bins); min(fits, key=lambda k: fits[k]["rms_log_residual"]), round(fits["softmax"]["scale"], 3)
+    >>> fits = fit_shapes(bins)
+    >>> min(fits, key=lambda k: fits[k]["rms_log_residual"]), round(fits["softmax"]["scale"], 3)
     ('softmax', 0.02)
     """
     surprise = torch.tensor([b["surprise"] for b in bins], dtype=torch.float64)

@@ -93,8 +93,8 @@ def changepoint_score(engine: torch.Tensor, trainer: torch.Tensor, valid: torch.
     A token is read where it is in ``valid``, both logprobs are finite, the engine put it at −3 nats or above
     (below, healthy large-model tails live: :data:`ENGINE_BUCKET_EDGES`) and its bucket's ``spread`` is > 0 (0:
     not known yet). Under the noise the test assumes, E[Λ] ≤ 1 on healthy rows (1 without the cap), so
-    ln Λ > ln(1/α) fires on at most α of them (Markov); the guard reads its threshold from the kept rows' scores instead
-    (:func:`rollout_guard.calibration.changepoint_threshold`).
+    ln Λ > ln(1/α) fires on at most α of them (Markov); the guard reads its threshold from the kept rows' scores
+    instead (:func:`rollout_guard.calibration.changepoint_threshold`).
 
     Args:
         engine, trainer: (B, T) logprobs (nats).

@@ -10,7 +10,8 @@ token read) and the rule alone: what the guard does is ``fidelity.py``'s.
 Variants: no cap; each z clipped to ±4.5 σ before the ratio (emulated by clipping d; tried first in the full
 benchmark, ``variants/zclip*.json``); the per-token log ratio capped at 10, 8, 6 nats.
 
-    python benchmarks/results-2026-12-05-thirtyseventh/token_cap_replay.py softmax hybrid-seed1/+softmax_hybrid7b,llama/+softmax_hybrid7b
+    python benchmarks/results-2026-12-05-thirtyseventh/token_cap_replay.py softmax \
+        hybrid-seed1/+softmax_hybrid7b,llama/+softmax_hybrid7b,hybrid/+softmax_hybrid7b
     python benchmarks/results-2026-12-05-thirtyseventh/token_cap_replay.py surprise llama/T1/top_p1/top_k0,llama/+topk5
 """
 
@@ -65,7 +66,8 @@ def main(shape: str, names: str) -> None:
             late = score(faults.engine, faults.trainer, faults.mask, centre, spread, clip, cap)
             point = torch.quantile(healthy, 0.9998)
             ceiling = math.log(1000)
-            print(f"  {label:18s} healthy: 99.98 % point {point:6.1f}, {100 * float((healthy > ceiling).float().mean()):.3f} %"
+            above = 100 * float((healthy > ceiling).float().mean())
+            print(f"  {label:18s} healthy: 99.98 % point {point:6.1f}, {above:.3f} %"
                   f" above ln 1000 | late onset caught: {100 * float((late > point).float().mean()):.2f} % above that"
                   f" point, {100 * float((late > ceiling).float().mean()):.2f} % above ln 1000")
     cp.TOKEN_CAP = saved
