@@ -210,7 +210,8 @@ class GuardConfig:
     calibration's per-bucket centre and spread, each token's log ratio held to at most
     :data:`rollout_guard.changepoint.TOKEN_CAP`, 10 nats, since the thirty-seventh session) exceeds the
     ``1 − changepoint_budget`` point of the scores of the samples kept by the other rules
-    (:func:`rollout_guard.calibration.changepoint_threshold`), never above ln 1000 (:data:`rollout_guard.calibration.CHANGEPOINT_CEILING`, where it sits until
+    (:func:`rollout_guard.calibration.changepoint_threshold`), never above ln 1000
+    (:data:`rollout_guard.calibration.CHANGEPOINT_CEILING`, where it sits until
     :data:`rollout_guard.calibration.MIN_CHANGEPOINT_ROWS` such samples were scored with the same buckets read).
     Buckets whose centre the calibration does not know yet (the first step of a run or of a new sampling setting)
     are read around the batch's own centre and spread, as the other rules judge them there

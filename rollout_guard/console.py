@@ -18,6 +18,7 @@ from typing import TextIO
 
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord
+from rollout_guard.verdict import fired_rules
 
 logger = logging.getLogger("rollout_guard")
 
@@ -51,8 +52,7 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
     lines = [f"rollout_guard: {steps}, {totals.rollouts} rollouts judged; {count} {verb}, "
              f"{count / max(totals.rollouts, 1):.2%}."]
     lines.extend(checks)
-    fired = sorted(((n, c) for n, c in totals.rule_counts.items() if c), key=lambda item: -item[1])
-    lines.append("  rules fired: " + (", ".join(f"{name} {n}" for name, n in fired) if fired else "none"))
+    lines.append(f"  rules fired: {fired_rules(totals.rule_counts)}")
     worst = worst_step(totals.history)
     if worst is not None and worst.get("suspect", 0):
         lines.append(f"  worst step: {int(worst['step'])} ({int(worst['suspect'])} suspect, "

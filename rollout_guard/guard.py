@@ -33,7 +33,7 @@ from rollout_guard.packet import (PacketLayout, combine_aggregates, empty_packet
 from rollout_guard.statistics import (
     CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, batch_thresholds,
 )
-from rollout_guard.verdict import RULE_BIT, RULES
+from rollout_guard.verdict import RULE_BIT, RULES, fired_rules
 
 logger = logging.getLogger("rollout_guard")
 
@@ -391,8 +391,7 @@ class RolloutGuard:
         totals.steps_above_ceiling = totals.steps_above_ceiling + 1 if share > config.max_quarantine_share else 0
         if totals.steps_above_ceiling < config.ceiling_steps:
             return
-        fired = sorted(((name, int(report.metrics[f"rule/{name}"])) for name in RULES), key=lambda item: -item[1])
-        rules = ", ".join(f"{name} {count}" for name, count in fired if count)
+        rules = fired_rules({name: report.metrics[f"rule/{name}"] for name in RULES})
         reason = (
             f"{share:.0%} of the rollouts at step {report.step} were suspect, above max_quarantine_share="
             f"{config.max_quarantine_share:g} for {totals.steps_above_ceiling} step(s) in a row: "

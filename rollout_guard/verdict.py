@@ -6,6 +6,7 @@ a threshold rule. The verdict does not depend on the mode: the mode decides what
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -66,6 +67,19 @@ def judge(samples: torch.Tensor, config: GuardConfig, drift_threshold: float | t
 
 def rule_names(reasons: int) -> list[str]:
     return [name for name in RULES if reasons & RULE_BIT[name]]
+
+
+def fired_rules(counts: Mapping[str, int]) -> str:
+    """The rules that fired, most samples first (ties in :data:`RULES` order), each with its count; ``"none"``.
+
+    >>> fired_rules({"drift": 1, "changepoint": 0, "mean_drift": 3, "token_spike": 1})
+    'mean_drift 3, token_spike 1, drift 1'
+    >>> fired_rules({"drift": 0})
+    'none'
+    """
+    fired = sorted(((name, int(count)) for name, count in counts.items() if count),
+                   key=lambda item: (-item[1], RULES.index(item[0]) if item[0] in RULES else len(RULES)))
+    return ", ".join(f"{name} {count}" for name, count in fired) or "none"
 
 
 def rule_counts(reasons: torch.Tensor) -> dict[str, int]:

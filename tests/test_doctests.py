@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 MODULES = ("rollout_guard.statistics", "rollout_guard.calibration", "rollout_guard.patterns", "rollout_guard.action",
-           "rollout_guard.console", "rollout_guard.extras", "rollout_guard.injection", "rollout_guard.support", "rollout_guard.changepoint")
+           "rollout_guard.console", "rollout_guard.extras", "rollout_guard.injection", "rollout_guard.support",
+           "rollout_guard.changepoint", "rollout_guard.verdict")
 
 
 @pytest.mark.parametrize("name", MODULES)
