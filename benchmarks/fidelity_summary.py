@@ -12,9 +12,10 @@ of the first file that is below the goal (≥ 99.9 % recall, ≤ 0.1 % false) wi
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+import typer
 
 KINDS = ("late_onset", "isolated_spikes", "single_spike", "moderate_confidence", "confident_gibberish", "nonfinite",
          "truncated_gibberish", "real_context_swap", "real_late_onset")
@@ -50,27 +51,26 @@ def below_goal(results: dict) -> list[tuple[str, str, int, int]]:
             if kind != "clean" and not figures["pass"]]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="results JSON files of benchmarks/fidelity.py")
-    parser.add_argument("--below", action="store_true", help="also list the first file's cells below the goal")
-    args = parser.parse_args()
-    loaded = [json.loads(path.read_text()) for path in args.results]
-    shown = [kind for kind in KINDS if any(summary(r)["missed"][kind] for r in loaded)]
+def main(results: list[Path] = typer.Argument(..., help="results JSON files of benchmarks/fidelity.py"),
+         below: bool = typer.Option(False, help="also list the first file's cells below the goal")) -> None:
+    """Print the files' totals side by side as a Markdown table (and, with --below, the first file's cells below
+    the goal)."""
+    loaded = [json.loads(path.read_text()) for path in results]
+    summaries = [summary(r) for r in loaded]
+    shown = [kind for kind in KINDS if any(s["missed"][kind] for s in summaries)]
     print("| file | seed | faults | stitch | " + " | ".join(f"{k} missed" for k in shown)
           + " | false (worst) | flagged resampled (worst) | cells at the goal |")
     print("| --- " * (7 + len(shown)) + "|")
-    for path, results in zip(args.results, loaded, strict=True):
-        s = summary(results)
+    for path, s in zip(results, summaries, strict=True):
         print(f"| {path.name} | {s['seed']} | {s['faults']:,} | {s['stitch']} | "
               + " | ".join(f"{s['missed'][k]:,}" for k in shown)
               + f" | {s['false']} ({100 * s['worst_false']:.3f} %) | {s['flagged']} ({100 * s['worst_flagged']:.3f} %)"
               f" | {s['cells']} of {s['of']} |")
-    if args.below:
-        print(f"\nBelow the goal in {args.results[0].name}:\n")
+    if below:
+        print(f"\nBelow the goal in {results[0].name}:\n")
         for condition, kind, caught, rows in below_goal(loaded[0]):
             print(f"* {condition} {kind}: {caught:,} of {rows:,} ({100 * caught / rows:.2f} %)")
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)
