@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +110,15 @@ class EngineContextSink:
     """Writes each step's per-rollout engine context next to its |Δ| (``engine_samples.jsonl``) and draws
     ``engine.png`` (per step: max |Δ| and quarantined share against KV-cache usage, running requests and weight
     version) and ``engine_samples.png`` (per rollout). The per-step ``engine/*`` values themselves travel in the
-    step's metrics (``metrics.jsonl``, W&B, trackio). ``source``: returns the latest step's engine context (an object
-    with ``rows``, ``injected``); ``wandb``: also send the charts to the active W&B run."""
+    step's metrics (``metrics.jsonl``, W&B, trackio). Each step's context is the one its report carries
+    (:attr:`rollout_guard.guard.StepReport.engine_context`, an object with ``rows``, ``injected``), not the
+    collector's latest: on the background writer a step may be written after the next step's rollouts exist (a
+    latest-context source joined a lagging step to the next one's context, or dropped its line). ``wandb``: also send
+    the charts to the active W&B run."""
 
-    def __init__(self, directory: str | Path, source: Callable[[], Any], chart_every_steps: int = 50,
-                 wandb: bool = False) -> None:
+    def __init__(self, directory: str | Path, chart_every_steps: int = 50, wandb: bool = False) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.source = source
         self.chart_every_steps = chart_every_steps
         self.wandb = wandb
         self.path = self.directory / SAMPLES_FILE
@@ -128,7 +129,7 @@ class EngineContextSink:
         pass
 
     def on_step(self, report: Any, guard: Any) -> None:
-        step = self.source()
+        step = report.engine_context
         if step is None or report.skipped:
             return
         line = samples_line(report.step, range(report.local_rows.start, report.local_rows.stop), report.samples,

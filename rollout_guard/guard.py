@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,10 @@ class StepReport:
     check_flags: list[int] = field(default_factory=list)  # per rank, the caller's check flags (see inspect); 0: none
     drift_threshold: float | None = None  # nats: the drift threshold this step was judged with (calibrated)
     changepoint_threshold: float | None = None  # ln Λ: the changepoint rule's this step (None: it did not judge)
+    # this process's engine context of the step's rollouts (an object with ``rows`` and ``injected``), set by an
+    # integration that collects it (the TRL adapter with vLLM) before the report goes to the sinks, which may run on
+    # the background writer after the next step's context exists
+    engine_context: Any = None
 
     @property
     def check_failed_on(self) -> list[int]:

@@ -161,12 +161,13 @@ def test_engine_sink_writes_rows_and_survives_a_resume(tmp_path):
     from rollout_guard.statistics import SAMPLE_COLUMNS
 
     step_context = SimpleNamespace(rows=[{"weight_version": 1, "kv_cache_usage_max": 0.5}, None], injected=[False, True])
-    sink = EngineContextSink(tmp_path, lambda: step_context, chart_every_steps=100)
+    sink = EngineContextSink(tmp_path, chart_every_steps=100)
     for step in (1, 2, 3):
         samples = torch.zeros(2, len(SAMPLE_COLUMNS), dtype=torch.float64)
         report = SimpleNamespace(step=step, skipped=False, local_rows=slice(0, 2), samples=samples,
                                  suspect=torch.tensor([False, True]), quarantined=torch.tensor([False, True]),
-                                 metrics={"max_abs_delta": 0.1, "engine/weight_version": float(step)})
+                                 metrics={"max_abs_delta": 0.1, "engine/weight_version": float(step)},
+                                 engine_context=step_context)
         (tmp_path / "metrics.jsonl").open("a").write(json.dumps({"step": step, **report.metrics}) + "\n")
         sink.on_step(report, None)
     sink.on_resume(2, None)
@@ -177,3 +178,35 @@ def test_engine_sink_writes_rows_and_survives_a_resume(tmp_path):
     assert [row["step"] for row in sink.history] == [1, 2]
     sink.on_end(None)
     assert (tmp_path / "engine.png").is_file() and (tmp_path / "engine_samples.png").is_file()
+
+
+def test_engine_sink_joins_a_lagging_step_to_its_own_context(tmp_path):
+    """The sink runs on the background writer, which may reach a step after the training thread has the next step's
+    engine context (and, between steps, none): each line must carry the context of its own step. Found as a
+    missing step-3 line in the vLLM engine-context end-to-end test on a loaded machine, when the sink read the
+    collector's latest context instead of the step's."""
+    import threading
+
+    import torch
+
+    from rollout_guard.engine_view import EngineContextSink, read_jsonl
+    from rollout_guard.statistics import SAMPLE_COLUMNS
+    from rollout_guard.writer import BackgroundWriter
+
+    sink = EngineContextSink(tmp_path, chart_every_steps=100)
+    writer = BackgroundWriter()
+    held = threading.Event()
+    writer.submit("a slow write", held.wait)  # the writer lags behind the training thread
+    for step in (1, 2, 3):
+        context = SimpleNamespace(rows=[{"weight_version": step}, {"weight_version": step}], injected=[False, False])
+        report = SimpleNamespace(step=step, skipped=False, local_rows=slice(0, 2),
+                                 samples=torch.zeros(2, len(SAMPLE_COLUMNS), dtype=torch.float64),
+                                 suspect=torch.tensor([False, False]), quarantined=torch.tensor([False, False]),
+                                 metrics={}, engine_context=context)
+        writer.submit("EngineContextSink.on_step", sink.on_step, report, None)
+    held.set()
+    writer.flush()
+    assert writer.take_errors() == []
+    lines = read_jsonl(tmp_path / "engine_samples.jsonl")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["context"]["weight_version"] for line in lines] == [[1, 1], [2, 2], [3, 3]]

@@ -107,8 +107,7 @@ class TrlGuard:
                 from rollout_guard.engine_view import EngineContextSink
 
                 report_to = trainer.args.report_to
-                sinks.append(EngineContextSink(self.output_dir, lambda: self._engine_step,
-                                               self.config.chart_every_steps,
+                sinks.append(EngineContextSink(self.output_dir, self.config.chart_every_steps,
                                                wandb="wandb" in ([report_to] if isinstance(report_to, str)
                                                                  else list(report_to or []))))
         self.sinks = list(sinks)
@@ -322,6 +321,7 @@ class TrlGuard:
         self.last_report = report
         if self._engine_step is not None and not report.skipped:
             report.metrics.update(self._engine_step.metrics)  # this process's engine, next to the mismatch
+            report.engine_context = self._engine_step  # what the sinks join to this step's rows, off this thread
         if report.flagged_on(SUPPORT_CHECK):
             self._stop_comparing_on_support(report)
         guarded = batch
