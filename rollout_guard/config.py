@@ -361,7 +361,10 @@ class GuardConfig:
     strict: bool = False
     """``True``: any failure inside the guard raises and stops training. ``False``: a failure is logged and
     counted (``guard_failures``), the step's batch passes through unguarded, and training goes on. Structural
-    input errors on the first guarded step raise in both cases: they mean the guard is wired wrong. Default
+    input errors on the first guarded step raise in both cases: they mean the guard is wired wrong. A failure
+    beside the verdict (writing records, decoding, a sink) with several processes is raised on every process at
+    the next step's judgement, carried in its gather (raised on one process only, it left the others waiting in
+    the loss's collectives); after the last step, at the end of training on the failing process. Default
     False."""
 
     def __post_init__(self) -> None:

@@ -41,6 +41,7 @@ logger = logging.getLogger("rollout_guard")
 # the adapter's own checks, as bits of the flags each process sends in the step's gather (RolloutGuard.inspect)
 REPLICA_CHECK = 1  # TRL's advantages differ from the guard's replica of them on this process
 SUPPORT_CHECK = 2  # the trainer's log-mass of the engine's support could not be computed on this process
+OUTPUT_CHECK = 4  # strict mode: writing this process's outputs (records, decoding, sinks) failed since the last step
 
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
@@ -123,6 +124,9 @@ class TrlGuard:
         self._rewards_per_func: torch.Tensor | None = None
         self._said: set[str] = set()
         self._closed = False
+        # strict mode, several processes: the first output failure not raised yet (raised on every process together
+        # after the next step's gather; :meth:`_failure`)
+        self._output_failure: tuple[str, BaseException] | None = None
 
         # What this setup lets the guard see (see the messages below): engine logprobs (vLLM or a rollout_func), TRL's
         # own trainer logprobs, the guard's extra forward pass where it can feed a two-sided rule.
@@ -301,6 +305,8 @@ class TrlGuard:
         support_failed = False
         truncated = self._truncated()
         forward_rows = self._forward_rows(len(truncated[0]))
+        self._writer_failures()  # before the gather: a strict failure travels in it (OUTPUT_CHECK)
+        output_failed = self._output_failure is not None
         try:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch, truncated, forward_rows)
             support_failed = self.support is not None and self.support.error is not None
@@ -315,10 +321,13 @@ class TrlGuard:
             evidence = error
         self.last_evidence = evidence if isinstance(evidence, RolloutEvidence) else None
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
+        flags = SUPPORT_CHECK if support_failed else replica_failed
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
-                                    check_failed=SUPPORT_CHECK if support_failed else replica_failed,
+                                    check_failed=flags + OUTPUT_CHECK if output_failed else flags,
                                     sampling=self._comparison(trainer))
         self.last_report = report
+        if report.flagged_on(OUTPUT_CHECK):
+            self._raise_output_failure(report)
         if self._engine_step is not None and not report.skipped:
             report.metrics.update(self._engine_step.metrics)  # this process's engine, next to the mismatch
             report.engine_context = self._engine_step  # what the sinks join to this step's rows, off this thread
@@ -459,12 +468,30 @@ class TrlGuard:
 
     def _failure(self, what: str, error: BaseException) -> None:
         """A failure beside the verdict (records, decoding, sinks, the engine context): the step was judged; raised
-        in strict mode, else counted in ``output_failures`` (this process's) and logged."""
+        in strict mode, else counted in ``output_failures`` (this process's) and logged. With several processes a
+        strict failure is held until the next step's gather carries it (``OUTPUT_CHECK``), after which every process
+        raises together (:meth:`_raise_output_failure`): raised here, on one process (sinks run on the main one
+        only), it left the others waiting in the loss's collectives. After the last step it is raised by
+        :meth:`close`, on its own process."""
         if self.config.strict:
-            raise error
+            if self.trainer.accelerator.num_processes == 1:
+                raise error
+            if self._output_failure is None:
+                self._output_failure = (what, error)
+            return
         self.guard.totals.output_failures += 1
         logger.warning("rollout_guard: failed while %s (%s: %s); the step was judged and training goes on. Output "
                        "failures so far: %s", what, type(error).__name__, error, self.guard.totals.output_failures)
+
+    def _raise_output_failure(self, report: StepReport) -> None:
+        """Strict mode: some process's outputs failed before this step (its ``OUTPUT_CHECK`` flag in the gather);
+        every process raises here, the failing ones with their own error as the cause."""
+        ranks = report.flagged_on(OUTPUT_CHECK)
+        failure, self._output_failure = self._output_failure, None
+        cause = f" ({failure[0]}: {type(failure[1]).__name__}: {failure[1]})" if failure is not None else ""
+        raise GuardError(f"rollout_guard (strict=True): writing the guard's outputs failed on process(es) {ranks} "
+                         f"before step {report.step}{cause}; stopping every process at this step") from (
+            failure[1] if failure is not None else None)
 
     def _forward_rows(self, local: int) -> int:
         """Rows of this step's truncated-row pass on every process: the most truncated rows of any process (a
@@ -576,6 +603,12 @@ class TrlGuard:
                 self.writer.close()
                 self.writer = None
         self._to_sinks("on_end", self.guard)
+        if self._output_failure is not None:  # strict, several processes, after the last step's gather
+            what, error = self._output_failure
+            self._output_failure = None
+            raise GuardError(f"rollout_guard (strict=True): writing the guard's outputs failed on process "
+                             f"{self.guard.process_index} after the last step ({what}: {type(error).__name__}: "
+                             f"{error})") from error
         if self.stop_reason is not None and self.config.on_ceiling == "stop":
             state = self.trainer.state
             logger.error("rollout_guard: training was STOPPED by the circuit breaker at step %s of %s: %s "

@@ -242,3 +242,33 @@ def test_a_failing_sink_surfaces_on_the_training_thread(tiny_model_dir, tmp_path
     assert guarded.guard.totals.output_failures == 2, "one failed on_records per step, counted on the training thread"
     assert guarded.guard.totals.failures == 0, "both steps were judged"
     assert [step for step, _, _ in sink.steps] == [1, 2] and sink.ended
+
+
+def test_a_strict_output_failure_on_the_main_process_stops_every_process_together(tiny_model_dir, tmp_path):
+    """Two CPU processes (gloo), ``strict=True``; the sink fails once, on rank 0 (sinks run on the main process
+    only). The failure travels in the next step's gather and both ranks raise the same GuardError at the same step,
+    rank 0's with the sink's error as its cause. (Before, rank 0 alone raised the OSError, and rank 1 went on into
+    the loss's collectives, waiting for a process that had left.)"""
+    import os
+    import sys
+
+    from tests.integrations.strict_output_failure import STEPS
+    from tests.processes import run_group
+
+    worker = Path(__file__).with_name("strict_output_failure.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+           "TRL_EXPERIMENTAL_SILENCE": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(worker),
+               str(tiny_model_dir), str(tmp_path)]
+    done = run_group(command, timeout=600, capture_output=True, text=True, env=env)
+    log = (done.stdout + done.stderr)[-6000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for result in ranks:
+        assert result["error"] == "GuardError", (result, log)
+        assert "failed on process(es) [0]" in result["message"], result["message"]
+        assert result["step"] < STEPS, "raised during training, not after it"
+    assert ranks[0]["step"] == ranks[1]["step"], "both processes stopped at the same step"
+    assert ranks[0]["cause"] == "OSError" and "disk full" in ranks[0]["message"]
+    assert ranks[1]["cause"] is None and "disk full" not in ranks[1]["message"]
