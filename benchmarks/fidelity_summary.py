@@ -12,10 +12,14 @@ of the first file that is below the goal (≥ 99.9 % recall, ≤ 0.1 % false) wi
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.fidelity_kit.results_file import read_results  # noqa: E402
 
 KINDS = ("late_onset", "isolated_spikes", "single_spike", "moderate_confidence", "confident_gibberish", "nonfinite",
          "truncated_gibberish", "real_context_swap", "real_late_onset")
@@ -55,7 +59,7 @@ def main(results: list[Path] = typer.Argument(..., help="results JSON files of b
          below: bool = typer.Option(False, help="also list the first file's cells below the goal")) -> None:
     """Print the files' totals side by side as a Markdown table (and, with --below, the first file's cells below
     the goal)."""
-    loaded = [json.loads(path.read_text()) for path in results]
+    loaded = [read_results(path) for path in results]
     summaries = [summary(r) for r in loaded]
     shown = [kind for kind in KINDS if any(s["missed"][kind] for s in summaries)]
     print("| file | seed | faults | stitch | " + " | ".join(f"{k} missed" for k in shown)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.fidelity_kit.results_file import read_results  # noqa: E402
 from benchmarks.fidelity_summary import below_goal, summary  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results-2026-12-04-thirtyfourth"
@@ -37,6 +37,6 @@ def test_totals_sum_over_conditions_and_the_worst_share_is_the_largest():
 
 def test_the_committed_run_gives_the_readme_figures():
     """The README's "now" column: seed 0, told, 1,000 faults per kind and condition."""
-    s = summary(json.loads((RESULTS / "first-step-told.json").read_text()))
+    s = summary(read_results(RESULTS / "first-step-told.json"))
     assert (s["cells"], s["of"], s["false"], s["flagged"]) == (198, 217, 7, 45)
     assert (s["missed"]["late_onset"], s["missed"]["isolated_spikes"], s["missed"]["real_context_swap"]) == (6, 315, 6)

@@ -3,16 +3,16 @@ interval and the cells at >= 99.9 %; false quarantines and flagged resampled jud
 
     python pooled.py A.json B.json ...
 """
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.fidelity_kit.results_file import read_results  # noqa: E402
 from benchmarks.fidelity_kit.score import wilson  # noqa: E402
 
 
 def pooled(path):
-    run = json.loads(Path(path).read_text())
+    run = read_results(path)
     faults, clean = {}, dict(false=0, rows=0, worst=0.0, resampled=0, judged=0, worst_resampled=0.0)
     for result in run["results"]:
         for kind, f in result["figures"].items():

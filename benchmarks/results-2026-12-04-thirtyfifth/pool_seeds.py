@@ -8,7 +8,6 @@ files given, with a 95 % Wilson interval. Meant for runs of one budget over seve
     python benchmarks/results-2026-12-04-thirtyfifth/pool_seeds.py RUN.json [RUN.json ...]
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.fidelity_kit.results_file import read_results  # noqa: E402
 from benchmarks.fidelity_kit.score import wilson  # noqa: E402
 
 STREAMS = ("h200-hybrid", "h200-hybrid-seed1", "h200-llama")
@@ -28,7 +28,7 @@ def main(runs: list[Path]) -> None:
           "| flagged resampled judgements (worst) |")
     print("| --- | --- | --- | --- |")
     for run in runs:
-        figures = {r["condition"]: r["figures"] for r in json.loads(run.read_text())["results"]}
+        figures = {r["condition"]: r["figures"] for r in read_results(run)["results"]}
         caught = []
         for stream in STREAMS:
             cell = figures[f"{stream}/{TAIL}"]["late_onset"]
