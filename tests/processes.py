@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,3 +34,25 @@ def run_group(command: Sequence[str], timeout: float, **popen: Any) -> subproces
 def _kill_group(group: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(group, signal.SIGKILL)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(script: str | os.PathLike, *args: str, processes: int = 1, timeout: float = 600,
+           env: dict[str, str] | None = None, log: os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run ``script args`` on ``processes`` CPU processes (one: plain Python; more: ``accelerate launch
+    --multi_gpu``, torch.distributed's launcher, each process then on the CPU with gloo as ``GRPOConfig(use_cpu=True)``
+    asks), through :func:`run_group`, with the repository first on ``PYTHONPATH`` (workers import ``tests.*``) and
+    ``env`` over this process's environment. ``log``: stdout and stderr go to that file; else both are captured as
+    text."""
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    command = [*launcher, str(script), *map(str, args)]
+    if log is None:
+        return run_group(command, timeout=timeout, capture_output=True, text=True, env=env)
+    with open(log, "w") as handle:
+        return run_group(command, timeout=timeout, stdout=handle, stderr=subprocess.STDOUT, env=env)

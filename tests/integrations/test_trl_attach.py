@@ -249,20 +249,11 @@ def test_a_strict_output_failure_on_the_main_process_stops_every_process_togethe
     only). The failure travels in the next step's gather and both ranks raise the same GuardError at the same step,
     rank 0's with the sink's error as its cause. (Before, rank 0 alone raised the OSError, and rank 1 went on into
     the loss's collectives, waiting for a process that had left.)"""
-    import os
-    import sys
-
     from tests.integrations.strict_output_failure import STEPS
-    from tests.processes import run_group
+    from tests.processes import launch
 
-    worker = Path(__file__).with_name("strict_output_failure.py")
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-           "TRL_EXPERIMENTAL_SILENCE": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(worker),
-               str(tiny_model_dir), str(tmp_path)]
-    done = run_group(command, timeout=600, capture_output=True, text=True, env=env)
+    done = launch(Path(__file__).with_name("strict_output_failure.py"), tiny_model_dir, tmp_path, processes=2,
+                  env={"TRL_EXPERIMENTAL_SILENCE": "1"})
     log = (done.stdout + done.stderr)[-6000:]
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     for result in ranks:

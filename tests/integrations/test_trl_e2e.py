@@ -11,7 +11,6 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from rollout_guard.statistics import COLUMN
 from rollout_guard.store import read_records
 from rollout_guard.verdict import RULE_BIT
-from tests.processes import run_group
+from tests.processes import launch, run_group
 
 SCENARIO_SCRIPT = Path(__file__).with_name("grpo_scenario.py")
 
@@ -35,15 +34,8 @@ def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4, e
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(sock.getsockname()[1])
-    # `accelerate launch --cpu` starts a single process; `--multi_gpu` starts torch.distributed's launcher, and
-    # GRPOConfig(use_cpu=True) then runs each process on the CPU with gloo.
-    launcher = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-    ]
-    command = [*launcher, str(SCENARIO_SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps), *extra]
-    with log_path.open("w") as log:
-        completed = run_group(command, timeout=900, stdout=log, stderr=subprocess.STDOUT, env=env)
+    completed = launch(SCENARIO_SCRIPT, name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps), *extra,
+                       processes=processes, timeout=900, env=env, log=log_path)
     log_text = log_path.read_text()
     assert completed.returncode == 0, f"scenario {name} failed:\n{log_text[-6000:]}"
     if processes == 1:

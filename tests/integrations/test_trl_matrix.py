@@ -8,9 +8,6 @@ those rows, for every loss type, even when those rows hold NaN or ±inf.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,20 +15,14 @@ import torch
 
 from rollout_guard.action import group_relative_advantages
 from rollout_guard.store import read_records
-from tests.processes import run_group
+from tests.processes import launch
 
 SCRIPT = Path(__file__).with_name("trl_matrix.py")
 
 
 def run_matrix(name: str, out: Path, model_dir: Path, steps: int, processes: int = 1) -> tuple[int, str]:
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
-    launcher = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-    ]
-    command = [*launcher, str(SCRIPT), name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps)]
-    with (out / "run.log").open("w") as log:
-        done = run_group(command, timeout=900, stdout=log, stderr=subprocess.STDOUT, env=env)
+    done = launch(SCRIPT, name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps),
+                  processes=processes, timeout=900, env={"TRL_EXPERIMENTAL_SILENCE": "1"}, log=out / "run.log")
     return done.returncode, (out / "run.log").read_text()
 
 

@@ -206,21 +206,13 @@ def test_a_hook_that_fails_on_one_process_changes_every_process_alike(high_entro
     the same metrics, verdicts and guard state on both, and no healthy row flagged. (Before, only rank 1 switched:
     its failure was counted there alone, and rank 0 went on comparing on the support, with the changepoint rule
     judging on one rank and not on the other.)"""
-    import os
-    import sys
     from pathlib import Path
 
     from tests.integrations.support_failure import FAIL, STEPS
-    from tests.processes import run_group
+    from tests.processes import launch
 
-    worker = Path(__file__).with_name("support_failure.py")
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-           "TRL_EXPERIMENTAL_SILENCE": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(worker),
-               str(high_entropy_model), str(tmp_path)]
-    done = run_group(command, timeout=600, capture_output=True, text=True, env=env)
+    done = launch(Path(__file__).with_name("support_failure.py"), high_entropy_model, tmp_path, processes=2,
+                  env={"TRL_EXPERIMENTAL_SILENCE": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     for result in ranks:

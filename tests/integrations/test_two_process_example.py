@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from tests.processes import run_group
+from tests.processes import launch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "two_process_grpo.py"
 
 
 def run_example(out: Path, *args: str) -> dict:
     """The example on two CPU processes (``accelerate launch``, gloo); its ``checks.json``."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE),
-               "--out", str(out), "--cpu", "--timeout", "120", *args]
-    done = run_group(command, timeout=600, capture_output=True, text=True)
+    done = launch(EXAMPLE, "--out", str(out), "--cpu", "--timeout", "120", *args, processes=2)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     return json.loads((out / "checks.json").read_text())
 
