@@ -34,8 +34,8 @@ def run_scenario(name: str, tmp_path_factory, model_dir: Path, steps: int = 4, e
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(sock.getsockname()[1])
-    completed = launch(SCENARIO_SCRIPT, name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps), *extra,
-                       processes=processes, timeout=900, env=env, log=log_path)
+    completed = launch(SCENARIO_SCRIPT, name, "--out", str(out), "--model", str(model_dir), "--steps", str(steps),
+                       *extra, processes=processes, timeout=900, env=env, log=log_path)
     log_text = log_path.read_text()
     assert completed.returncode == 0, f"scenario {name} failed:\n{log_text[-6000:]}"
     if processes == 1:
