@@ -55,7 +55,7 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fidelity import DEFAULT_DATA, REPO, checked_noise_shape, conditions, synthetic_faults  # noqa: E402
-from benchmarks.fidelity_kit.results_file import read_results  # noqa: E402
+from benchmarks.fidelity_kit.results_file import read_results, stored  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import Rollouts, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, wilson  # noqa: E402
 
@@ -333,7 +333,7 @@ def main(
                                  "(benchmarks/fidelity_data/README.md)")
     checked_noise_shape(noise_shape)
     guard = {}
-    if guard_results.exists() or guard_results.with_name(guard_results.name + ".gz").exists():
+    if stored(guard_results) is not None:
         run = read_results(guard_results)
         if run.get("stitch", 1) != 1:
             raise typer.BadParameter(f"--guard-results {guard_results} was run with --stitch {run['stitch']}: the "

@@ -40,3 +40,19 @@ def test_the_committed_run_gives_the_readme_figures():
     s = summary(read_results(RESULTS / "first-step-told.json"))
     assert (s["cells"], s["of"], s["false"], s["flagged"]) == (198, 217, 7, 45)
     assert (s["missed"]["late_onset"], s["missed"]["isolated_spikes"], s["missed"]["real_context_swap"]) == (6, 315, 6)
+
+
+def test_results_are_read_by_the_name_written_from_a_gzipped_copy():
+    """The results folders keep their JSON gzipped; the name a README gives (``NAME.json``) reads ``NAME.json.gz``,
+    and a name that matches neither is an error, not an empty result (and the module's doctest runs)."""
+    import doctest
+
+    import pytest
+
+    from benchmarks.fidelity_kit import results_file
+
+    assert not (RESULTS / "first-step-told.json").exists() and (RESULTS / "first-step-told.json.gz").exists()
+    assert read_results(RESULTS / "first-step-told.json") == read_results(RESULTS / "first-step-told.json.gz")
+    with pytest.raises(FileNotFoundError):
+        read_results(RESULTS / "no-such-run.json")
+    assert doctest.testmod(results_file).failed == 0

@@ -23,9 +23,17 @@ def read_results(path: str | Path) -> dict:
     >>> read_results(folder / "run.json"), read_results(folder / "run.json.gz")
     ({'seed': 3}, {'seed': 3})
     """
-    path = Path(path)
-    if not path.exists() and path.suffix != ".gz" and path.with_name(path.name + ".gz").exists():
-        path = path.with_name(path.name + ".gz")
+    path = stored(path) or Path(path)
     if path.suffix == ".gz":
         return json.loads(gzip.decompress(path.read_bytes()))
     return json.loads(path.read_text())
+
+
+def stored(path: str | Path) -> Path | None:
+    """The file :func:`read_results` reads for ``path``: ``path`` itself, else ``path`` + ``.gz``; ``None`` where
+    neither exists."""
+    path = Path(path)
+    if path.exists():
+        return path
+    gzipped = path.with_name(path.name + ".gz")
+    return gzipped if path.suffix != ".gz" and gzipped.exists() else None
