@@ -305,7 +305,9 @@ class TrlGuard:
         support_failed = False
         truncated = self._truncated()
         forward_rows = self._forward_rows(len(truncated[0]))
-        self._writer_failures()  # before the gather: a strict failure travels in it (OUTPUT_CHECK)
+        # the writer's failures since the last look, once a step, before the gather: a strict one travels in it
+        # (OUTPUT_CHECK)
+        self._writer_failures()
         output_failed = self._output_failure is not None
         try:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch, truncated, forward_rows)
@@ -351,7 +353,6 @@ class TrlGuard:
         for key in TRL_METRIC_KEYS:
             if key in report.metrics:
                 trainer._metrics["train"][f"{TRL_METRIC_PREFIX}{key}"].append(report.metrics[key])
-        self._writer_failures()
         view = guard_snapshot(self.guard) if self.is_main_process and self.sinks else self.guard
         if records:
             self._decode(records)
