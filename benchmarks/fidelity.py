@@ -283,7 +283,9 @@ def main(
     stitch: int = typer.Option(1, min=1, help="rows N times as long, each N of the data's rows of one setting end to "
                                "end (fidelity_kit.rollouts.stitched): the noise per token as measured, N times the "
                                "tokens per verdict (the data's rows hold at most 256 tokens)"),
-    fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream"),
+    fault_share: float = typer.Option(0.02, help="share of faulty rollouts in each step of the clean stream "
+                                     "(below half a row a step: one faulty row every few steps, e.g. 0.001 of "
+                                     "256 rows, AI21's rate: one every 4th step)"),
     warmup_steps: int = typer.Option(20, help="steps of a setting (phase 1's, then resampled clean rows with "
                                      "fault_share of faults) before phase 2 judges that setting's other faults"),
     dense_phase2: bool = typer.Option(False, help="phase 2 moves the guard on with its whole steps (a quarter "

@@ -11,8 +11,33 @@ nvidia-smi -L | tee "$OUT/env.txt"
 python3 -c "import torch, transformers, accelerate, trl, datasets, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'trl', trl.__version__, 'pyarrow', pyarrow.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee -a "$OUT/env.txt"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 PART=${PART:-all}  # "bench": the one-GPU benchmarks only; "runs": the GRPO runs only (each fits one 10-minute call);
-# "sharded": the GRPO example under FSDP1, FSDP2 and DeepSpeed ZeRO-3 on one GPU (deepspeed and its deps on
+# "fidelity": the fidelity benchmark (below); "sharded": the GRPO example under FSDP1, FSDP2 and DeepSpeed ZeRO-3 on one GPU (deepspeed and its deps on
 # PYTHONPATH: results-2026-12-02-seventeenth/README.md says how they travelled)
+if [ "$PART" = fidelity ]; then
+  # benchmarks/fidelity.py --device cuda --same-support for each of RUNS ("name|seconds|options;..."), JOBS at a time,
+  # each with nproc / JOBS CPU threads (four side by side taking all 16 cores each finished none in 530 s: thirty-second
+  # session); every results JSON as <name>.json and the logs in one archive ($OUT brings back 8 files at most).
+  # typer, click and shellingham travel in the ignored .whl/ folder (typer imports rich only if it is there).
+  mkdir -p /tmp/runs /tmp/py /tmp/results
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/py .whl/*.whl > /dev/null 2>&1
+  export PYTHONPATH=/tmp/py:$PWD OMP_NUM_THREADS=$(( $(nproc) / ${JOBS:-1} ))
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt" 2>&1
+  fidelity_run() {
+    IFS='|' read -r name limit extra <<< "$1"
+    /usr/bin/time -v timeout "$limit" python3 benchmarks/fidelity.py --device cuda --same-support $extra \
+        --out "/tmp/runs/$name" > "/tmp/runs/$name.log" 2>&1
+    echo "$name exit $? $(date +%T)" >> /tmp/runs/status.txt
+    # after each run, so that what finished comes back if the call is cut off
+    flock /tmp/results.lock bash -c "cp /tmp/runs/$name/results-defaults.json /tmp/results/$name.json 2>/dev/null;
+                                     tar czf $OUT/results.tgz -C /tmp results"
+  }
+  export -f fidelity_run
+  IFS=';' read -ra runs <<< "${RUNS:?RUNS=\"name|seconds|options;...\"}"
+  printf '%s\0' "${runs[@]}" | xargs -0 -P "${JOBS:-1}" -I{} bash -c 'fidelity_run "$1"' _ {}
+  cat /tmp/runs/status.txt
+  tar czf "$OUT/logs.tgz" --exclude='*.png' --exclude='sweep-*' --exclude='results-*' -C /tmp runs
+  exit 0
+fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout 200 python3 benchmarks/statistics_speed.py --device cuda --repeats 100 --out "$OUT/statistics_speed.json" 2>&1 | grep -v '^{' | tee "$OUT/statistics_speed.log"
   timeout 200 python3 benchmarks/guard_overhead.py --device cuda --out "$OUT/bench_guard_overhead.json" 2>&1 | tail -n 12 | tee "$OUT/bench.log"

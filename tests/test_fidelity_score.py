@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.fidelity import conditions, preset, synthetic_faults  # noqa: E402
 from benchmarks.fidelity_kit import score  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import fixed_subset, read_tables  # noqa: E402
+from rollout_guard.guard import RolloutGuard  # noqa: E402
 
 DATA = sorted(glob.glob(str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parquet")))
 
@@ -60,3 +61,40 @@ def test_every_judged_clean_row_names_the_row_it_is():
     assert figures["judged"] == int(again.sum()) and figures["rows"] == len(origin[again].unique())
     assert figures["rows_flagged"] <= min(figures["false"], figures["rows"])
     assert figures["ci"][0] <= figures["false_rate"] <= figures["ci"][1]
+
+
+@pytest.mark.skipif(not DATA, reason="benchmarks/fidelity_data has no rollouts")
+@pytest.mark.parametrize("share, phase1, phase2", [
+    (0.01, lambda k: int(k % 6 == 0), lambda k: int(k % 8 == 0)),  # 0.16 and 0.12 of a row a step: one every 6, 8
+    (0.1, lambda k: 2, lambda k: 1),  # 1.6 and 1.33 a step: as every published run fed
+])
+def test_the_stream_feeds_its_share_of_faults_even_below_one_row_a_step(share, phase1, phase2):
+    """Phase 1 judges 16 rows a step with its share of faults; phase 2 judges a quarter of faults, then moves the
+    guard on with its share beside 12 clean rows. Below half a row a step, one faulty row every few steps: before,
+    phase 1 fed one every step (0.01 of 16 rows: 6.25 % instead of 1 %) and phase 2 none."""
+    table = fixed_subset(read_tables(DATA), clean_per_source=400, faulty_per_kind=10, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    _, clean, real, apply, _ = max(conditions(table, seed=0, step_rows=16), key=lambda c: len(c[1]))
+    faulty = {key: apply(rows) for key, rows in {**synthetic_faults(clean, 40, generator), **real}.items()}
+    fed: list[int] = []
+
+    class Recording(RolloutGuard):
+        def inspect(self, evidence, **kwargs):
+            fed.append(int(evidence.injected.sum()))
+            return super().inspect(evidence, **kwargs)
+
+    judged = score.replay(apply(clean), faulty, preset("defaults"), generator, step_rows=16, fault_share=share,
+                          make_guard=Recording)
+    calls = iter(fed)
+    first, moved_on = [], []
+    for step, (labels, counted) in enumerate(zip(judged.label, judged.counted, strict=True)):
+        fill = labels.count("clean")
+        assert next(calls) == len(labels) - fill  # the step as judged
+        if counted[:fill].any():  # phase 1: unique clean rows
+            first.append((step, len(labels) - fill))
+        elif fill == 12:  # phase 2 proper: judged as it stands, then the guard moves on with its share
+            moved_on.append((step, next(calls)))
+    assert next(calls, None) is None
+    assert len(first) >= 7 and len(moved_on) >= 16
+    assert [faults for _, faults in first] == [phase1(step) for step, _ in first]
+    assert [faults for _, faults in moved_on] == [phase2(step) for step, _ in moved_on]

@@ -133,6 +133,32 @@ def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, dev
                            injected=injected.to(device))
 
 
+def faults_in_step(share: float, rows: float, step: int, at_least_one: bool = False) -> int:
+    """Faulty rows a stream feeds in its ``step``-th step (from 0) at ``share`` of ``rows``: ``round(share · rows)``
+    (with ``at_least_one``, never fewer than one, as phase 1 always fed), or, where ``share · rows`` is under half a
+    row, one row every ``n = round(1 / (share · rows))`` steps, the steps ``step ≡ 0 (mod n)``:
+
+    .. math:: f_k = \\begin{cases} \\operatorname{round}(s r) & s r \\ge 1/2 \\\\
+              [k \\bmod \\operatorname{round}(1 / (s r)) = 0] & 0 < s r < 1/2 \\\\ 0 & s r = 0 \\end{cases}
+
+    AI21's rate, one prompt in a thousand, is a quarter of a row of a 256-row step: fed one a step it would be
+    0.39 %, four times the rate asked, and not at all in phase 2.
+
+    >>> [faults_in_step(0.02, 256, k, at_least_one=True) for k in range(3)]  # 5.12 a step
+    [5, 5, 5]
+    >>> [faults_in_step(0.001, 256, k) for k in range(9)]  # 0.256 a step: one in four steps, 0.098 %
+    [1, 0, 0, 0, 1, 0, 0, 0, 1]
+    >>> faults_in_step(0.004, 256, 1, at_least_one=True), faults_in_step(0.0, 256, 0)
+    (1, 0)
+    """
+    expected = share * rows
+    if expected >= 0.5:
+        return max(1, round(expected)) if at_least_one else round(expected)
+    if expected <= 0:
+        return 0
+    return int(step % round(1 / expected) == 0)
+
+
 def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, generator: torch.Generator,
            step_rows: int = 256, fault_share: float = 0.02, mask_truncated: bool = False,
            make_guard=None, device: str = "cpu", announce_sampling: bool = True, warmup_steps: int = 20,
@@ -140,7 +166,8 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     """Feed one noise condition to a fresh guard as a stream of training steps.
 
     Phase 1 streams every clean row once, in data order, ``step_rows`` per step, with ``fault_share`` of each step
-    taken from the faulty pools (round-robin over fault kinds), so calibration sees a realistic fault rate; its
+    taken from the faulty pools (round-robin over fault kinds; below half a row a step, one row every few steps:
+    :func:`faults_in_step`), so calibration sees the fault rate asked; its
     clean rows are the ones whose false quarantines count. A pooled stream (``clean.setting``) changes sampling
     setting between steps: phase 1 cuts its steps where the setting changes, and its faults are those sampled
     under the step's setting. With ``announce_sampling`` the guard is told each step's setting, as the TRL adapter
@@ -156,8 +183,8 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     in a thousand), and the guard calibrates on the rows it keeps, so the faults it misses would feed its
     calibration at that density. Unless ``dense_phase2``, each such step is therefore judged as it stands (those
     are the verdicts counted), then the guard's state is put back and the step judged again with only
-    ``fault_share`` of faults among its clean rows, which is what moves the guard on: its calibration sees faults
-    at the same rate as in phase 1. ``dense_phase2``: the guard moves on with the whole step.
+    ``fault_share`` of faults among its clean rows (:func:`faults_in_step` again), which is what moves the guard
+    on: its calibration sees faults at the same rate as in phase 1. ``dense_phase2``: the guard moves on with the whole step.
     """
     guard = make_guard(config) if make_guard is not None else RolloutGuard(config, device=device)
     judged = Judged()
@@ -167,7 +194,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     pools = {(name, value): faulty[name].rows(_settings(faulty[name]) == value)
              for name in names for value in setting.unique().tolist()}
     cursors = dict.fromkeys(pools, 0)
-    per_step_faults = max(1, round(fault_share * step_rows)) if names else 0
+    below_one = fault_share * step_rows < 0.5  # one faulty row every few steps (faults_in_step), in both phases
     turn = 0
     step = 0
 
@@ -218,6 +245,11 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
             guard.inspect(_evidence(rows.rows(keep), injected[keep], not mask_truncated, device), step=step,
                           sampling=sampling)
 
+    per_step_faults = max(1, round(fault_share * step_rows)) if names else 0  # the most a step holds
+
+    def faults(index: int) -> int:
+        return faults_in_step(fault_share, step_rows, index, at_least_one=True) if names else 0
+
     clean_step_rows = step_rows - per_step_faults
     changes = (torch.nonzero(setting[1:] != setting[:-1]).flatten() + 1).tolist()
     since_change = 0
@@ -225,11 +257,17 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         value = int(setting[run_start])
         since_change = 0
         for start in range(run_start, run_stop, clean_step_rows):
-            judge(torch.arange(start, min(start + clean_step_rows, run_stop)), True, per_step_faults, value)
+            judge(torch.arange(start, min(start + clean_step_rows, run_stop)), True, faults(step), value)
             since_change += 1
 
     fill = step_rows - step_rows // 4
-    feed = None if dense_phase2 else round(fault_share * fill / (1 - fault_share))  # faults beside the fill
+    feed_share = fault_share / (1 - fault_share)  # faults beside the fill, as in phase 1
+
+    def feed(index: int) -> int | None:
+        if dense_phase2:
+            return None
+        return faults_in_step(feed_share, fill, index) if below_one else round(feed_share * fill)
+
     last = int(setting[-1]) if len(setting) else 0
     order = [last] + [value for value in setting.unique().tolist() if value != last]
     for value in order:
@@ -242,10 +280,10 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
             return of_setting[torch.randint(0, len(of_setting), (count,), generator=generator)]
 
         while since_change < warmup_steps and left(value):
-            judge(resampled(clean_step_rows), False, per_step_faults, value)
+            judge(resampled(clean_step_rows), False, faults(step), value)
             since_change += 1
         while left(value):
-            judge(resampled(fill), False, step_rows // 4, value, feed)
+            judge(resampled(fill), False, step_rows // 4, value, feed(step))
             since_change += 1
     return judged
 
