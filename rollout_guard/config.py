@@ -251,7 +251,10 @@ class GuardConfig:
     99.858 → 99.880 % and 99.853 → 99.892 %, both still below the goal (the llama cell's 99.912 % over the first six
     seeds did not hold on the four held out), no more false quarantines, flagged resampled judgements 1.4–2.0× (worst
     0.068 %): each extra corrupted row caught costs a run ~220–330 healthy rollouts flagged where faults are 2 % of
-    its rollouts, ~4,500–6,700 where they are 0.1 % (~47 and ~950 if all were late onset). Costs
+    its rollouts, ~4,500–6,700 where they are 0.1 % (~47 and ~950 if all were late onset). Those ten seeds were
+    run with the benchmark's faults at 2 % of each step; at AI21's rate, 0.1 % (forty-first session,
+    ``benchmarks/results-2026-12-05-fortyfirst/``), the default catches 99.860 % and 99.905 % [99.870, 99.931]
+    there, the llama cell at the goal. Costs
     0.08–0.91 ms per step on an H200 (its Triton kernel, 64 × 1,024 to 512 × 16,384 tokens), the guard's step then
     1.37–1.92× TRL's own mismatch-metric ops instead of ~1× (``benchmarks/statistics_speed.py``, thirty-eighth
     session)."""
