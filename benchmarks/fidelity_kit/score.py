@@ -184,7 +184,8 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     calibration at that density. Unless ``dense_phase2``, each such step is therefore judged as it stands (those
     are the verdicts counted), then the guard's state is put back and the step judged again with only
     ``fault_share`` of faults among its clean rows (:func:`faults_in_step` again), which is what moves the guard
-    on: its calibration sees faults at the same rate as in phase 1. ``dense_phase2``: the guard moves on with the whole step.
+    on: its calibration sees faults at the same rate as in phase 1. ``dense_phase2``: the guard moves on with the
+    whole step.
     """
     guard = make_guard(config) if make_guard is not None else RolloutGuard(config, device=device)
     judged = Judged()
