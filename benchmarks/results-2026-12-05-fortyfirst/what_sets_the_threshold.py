@@ -40,8 +40,11 @@ class Shadow:
     """The change-point histogram split by label, fed by the same calls as the real one."""
 
     def __init__(self) -> None:
-        self.fault, self.fault_rows, self.clean, self.clean_rows = list(EMPTY), 0.0, list(EMPTY), 0.0
+        self.reset()
         self.labels: dict[int, torch.Tensor] = {}  # id(kept scores) → (n,) bool: faulty
+
+    def reset(self) -> None:
+        self.fault, self.fault_rows, self.clean, self.clean_rows = list(EMPTY), 0.0, list(EMPTY), 0.0
 
     def state(self) -> tuple:
         return list(self.fault), self.fault_rows, list(self.clean), self.clean_rows
@@ -58,7 +61,7 @@ def _shadowed(histogram, rows, values, edges, decay):
     out = _histogram(histogram, rows, values, edges, decay)
     if edges is cal._CHANGEPOINT_EDGES_HOST:
         if rows == 0.0 and not any(histogram):  # the real one was reset (a restart): so are the shadows
-            SHADOW.load((EMPTY, 0.0, EMPTY, 0.0))
+            SHADOW.reset()
         faulty = SHADOW.labels.pop(id(values))
         SHADOW.fault, SHADOW.fault_rows = _histogram(SHADOW.fault, SHADOW.fault_rows, values[faulty], edges, decay)
         SHADOW.clean, SHADOW.clean_rows = _histogram(SHADOW.clean, SHADOW.clean_rows, values[~faulty], edges, decay)
@@ -85,7 +88,7 @@ def make_guard(config, per_token_offset):
         budget = guard.config.changepoint_budget
         rows = guard.calibration._changepoint_rows
         if rows == 0.0:  # reset since its last update
-            SHADOW.load((EMPTY, 0.0, EMPTY, 0.0))
+            SHADOW.reset()
         assert abs(rows - SHADOW.fault_rows - SHADOW.clean_rows) < 1e-6 * max(rows, 1.0)
         reading = cal.changepoint_threshold(guard.calibration._changepoint, rows, budget)
         clean_only = cal.changepoint_threshold(SHADOW.clean, SHADOW.clean_rows, budget)
@@ -95,7 +98,7 @@ def make_guard(config, per_token_offset):
         restarts = guard.calibration_resets
         report = inspect(evidence, step, **kwargs)
         if guard.calibration_resets != restarts:  # a new sampling setting: judged from a fresh calibration
-            SHADOW.load((EMPTY, 0.0, EMPTY, 0.0))
+            SHADOW.reset()
             reading = clean_only = report.changepoint_threshold
             rows, above = 0.0, [0.0, 0.0]
         elif report.changepoint_threshold is not None:
@@ -147,7 +150,7 @@ def main(fault_share: float = typer.Option(0.02), seed: int = typer.Option(7),
     table = read_tables(sorted(glob.glob(DEFAULT_DATA)))
     generator = torch.Generator().manual_seed(seed)
     summary = {}
-    for name, clean, real, apply, params in conditions(table, seed, 256, True, 1, "surprise"):
+    for name, clean, real, apply, _ in conditions(table, seed, 256, True, 1, "surprise"):
         if name not in TARGETS:
             continue
         faulty = {key: apply(rows) for key, rows in {**synthetic_faults(clean, faults_per_condition, generator),
@@ -158,7 +161,7 @@ def main(fault_share: float = typer.Option(0.02), seed: int = typer.Option(7),
             guards.append(make_guard(cfg, per_token_offset=False))
             return guards[-1]
 
-        SHADOW.load((EMPTY, 0.0, EMPTY, 0.0))
+        SHADOW.reset()
         judged = replay(apply(clean), faulty, config, generator, fault_share=fault_share, make_guard=factory)
         records = [r for r in guards[0].records if not r["move_on"]]
         assert len(records) == len(judged.label)
