@@ -1,0 +1,152 @@
+"""The detector: per step, judge every row with one score against one threshold, then learn from the kept rows.
+
+Stateful like a torchmetrics metric: its state is declared once (:attr:`Detector.STATE`), and reset, checkpoint and
+cross-process sync follow from the declaration (every state is a sum: processes combine by adding their
+contributions). A step is ``judge`` (on this process's rows, no host sync) → the caller sums the judgements'
+``kept_counts`` over processes → ``update``. Design and evidence: ``docs/detector.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, noise_of
+from rollout_guard.detector.score import NUM_REGIONS, region_of, row_scores
+
+RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score")
+"""Why a row is suspect, one bit each (:data:`RULE_BIT`): a NaN/±inf logprob on either side; one token whose
+|engine − trainer| exceeds the absolute ceiling; the row's score over the threshold."""
+RULE_BIT = {name: 1 << index for index, name in enumerate(RULES)}
+EARLY_TOKENS = 10_000.0
+"""tokens: a region's own noise is recorded as its early level once it has read this many kept tokens."""
+GROWTH_ALERT = 2.0
+"""The multiple of a region's early noise scale past which :meth:`Detector.grown` reports it (a fault that grows
+over the run, two-sided, would otherwise be learned as healthy noise)."""
+
+
+class Judgement(NamedTuple):
+    score: torch.Tensor  # (B,) float32 ln Λ (rollout_guard.detector.score); −inf without a read token
+    onset: torch.Tensor  # (B,) int64: the token where the disagreement most likely starts; −1 without one
+    excess: torch.Tensor  # (B,) float32: the most engine-favouring token's distance from the centre, in scales
+    reasons: torch.Tensor  # (B,) int32 bitmask over RULES; nonzero: suspect
+    kept_counts: torch.Tensor  # (NUM_REGIONS, NUM_BINS) float64: the kept rows' d histogram, to sum over processes
+    noise: Noise  # the healthy noise the rows were judged against (the run's, this batch's tokens included)
+
+    @property
+    def suspect(self) -> torch.Tensor:
+        return self.reasons != 0
+
+
+class Detector:
+    """Judges rows of (engine, trainer) logprobs against the run's own healthy noise.
+
+    Args:
+        false_alarm_budget: the share of healthy rows the score may flag, α; the threshold is ``ln(1/α)``.
+        ceiling: nats: a token with |engine − trainer| above it flags its row whatever the noise (``None``: off).
+        device: where the state lives (the logprobs' device).
+    """
+
+    STATE = {"counts": (NUM_REGIONS, NUM_BINS), "early_scale": (NUM_REGIONS,)}
+    """name → shape of each state tensor (float64, zeros after :meth:`reset`)."""
+
+    def __init__(self, false_alarm_budget: float = 1e-3, ceiling: float | None = 25.0,
+                 device: torch.device | str = "cpu") -> None:
+        if not 0 < false_alarm_budget < 1:
+            raise ValueError(f"false_alarm_budget={false_alarm_budget}: pass a share in (0, 1), e.g. 1e-3")
+        self.false_alarm_budget = false_alarm_budget
+        self.threshold = math.log(1.0 / false_alarm_budget)
+        self.ceiling = ceiling
+        self.device = torch.device(device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the run's noise (back to the prior): when the sampling settings or the engine change."""
+        for name, shape in self.STATE.items():
+            setattr(self, name, torch.zeros(shape, dtype=torch.float64, device=self.device))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).detach().cpu().clone() for name in self.STATE}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, shape in self.STATE.items():
+            value = torch.as_tensor(state[name], dtype=torch.float64)
+            if tuple(value.shape) != shape:
+                raise ValueError(f"detector state {name!r}: shape {tuple(value.shape)}, expected {shape}")
+            setattr(self, name, value.to(self.device))
+
+    def noise(self) -> Noise:
+        """The run's healthy noise so far (kept rows only), shrunk towards the prior."""
+        return healthy_noise(self.counts)
+
+    def judge(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> Judgement:
+        """Judge (B, T) engine and trainer logprobs (nats) over the (B, T) loss mask; no host sync.
+
+        The noise is the run's with this batch's tokens added (the scale reads their trainer-favouring side, which
+        corruption does not reach), so that a run broken from its first step is judged against its own noise."""
+        mask = mask.bool()
+        finite_engine, finite_trainer = torch.isfinite(engine), torch.isfinite(trainer)
+        read = mask & finite_engine & finite_trainer
+        engine_read = torch.where(read, engine, torch.zeros_like(engine))
+        delta = engine_read - torch.where(read, trainer, torch.zeros_like(trainer))
+        region = region_of(engine_read)
+        batch = histogram(delta, region, read)
+        noise = healthy_noise(self.counts + batch)
+        x = delta - noise.centre.to(delta.dtype)[region]
+        scale = noise.scale.to(delta.dtype)[region]
+        scored = row_scores(x, scale, read)
+        reasons = (((mask & ~finite_engine).any(-1)).int() * RULE_BIT["nonfinite_engine"]
+                   | ((mask & ~finite_trainer).any(-1)).int() * RULE_BIT["nonfinite_trainer"]
+                   | (scored.score > self.threshold).int() * RULE_BIT["score"])
+        if self.ceiling is not None:
+            reasons |= ((delta.abs() > self.ceiling) & read).any(-1).int() * RULE_BIT["ceiling"]
+        kept = histogram(delta, region, read & (reasons == 0).unsqueeze(-1))
+        return Judgement(scored.score, scored.onset, scored.excess, reasons, kept, noise)
+
+    def update(self, kept_counts: torch.Tensor) -> None:
+        """Learn from a step's kept tokens: ``kept_counts`` summed over every process (the same on each), so that
+        every process holds the same state."""
+        before = self.counts.sum(1)
+        self.counts = self.counts + kept_counts.to(self.counts)
+        reached = (before < EARLY_TOKENS) & (self.counts.sum(1) >= EARLY_TOKENS)
+        if bool(reached.any()):
+            self.early_scale = torch.where(reached, noise_of(self.counts).scale, self.early_scale)
+
+    def grown(self) -> torch.Tensor:
+        """(NUM_REGIONS,) the run's noise scale over its early level per region (NaN before the early level is
+        recorded); above :data:`GROWTH_ALERT`, the healthy noise has grown in a way a fixed stack does not."""
+        now = noise_of(self.counts).scale
+        return torch.where(self.early_scale > 0, now / self.early_scale.clamp(min=1e-30),
+                           torch.full_like(now, math.nan))
+
+
+def explain(judgement: Judgement, row: int, engine: torch.Tensor, trainer: torch.Tensor, threshold: float) -> str:
+    """One sentence on why a row was judged as it was, in the user's words.
+
+    >>> detector = Detector()
+    >>> engine = torch.full((1, 20), -0.1); trainer = engine.clone(); engine[0, 7] = -3.5; trainer[0, 7] = -12.7
+    >>> j = detector.judge(engine, trainer, torch.ones(1, 20, dtype=torch.bool))
+    >>> print(explain(j, 0, engine[0], trainer[0], detector.threshold))
+    suspect: from token 7 (engine -3.5, trainer -12.7 nats) the engine favours it by 9.2 nats, 37 times this run's healthy noise (0.25 nats); score 25.5 over the threshold 6.9
+    """
+    reasons = int(judgement.reasons[row])
+    if reasons & (RULE_BIT["nonfinite_engine"] | RULE_BIT["nonfinite_trainer"]):
+        side = "engine" if reasons & RULE_BIT["nonfinite_engine"] else "trainer"
+        return f"suspect: a NaN or infinite {side} logprob"
+    onset = int(judgement.onset[row])
+    if onset < 0:
+        return "kept: no token to compare"
+    score = float(judgement.score[row])
+    e, t = float(engine[onset]), float(trainer[onset])
+    region = int(region_of(engine[onset:onset + 1].float())[0])
+    scale = float(judgement.noise.scale[region])
+    verdict = "suspect" if reasons else "kept"
+    where = "over" if score > threshold else "under"
+    line = (f"{verdict}: from token {onset} (engine {e:.3g}, trainer {t:.3g} nats) the engine favours it by "
+            f"{e - t:.2g} nats, {abs(e - t) / scale:.0f} times this run's healthy noise ({scale:.2g} nats); "
+            f"score {score:.1f} {where} the threshold {threshold:.1f}")
+    if reasons & RULE_BIT["ceiling"]:
+        line += "; a token beyond the absolute ceiling"
+    return line

@@ -1,0 +1,133 @@
+"""The run's healthy noise: per confidence region, the centre and Laplace scale of ``d = engine − trainer``.
+
+Read from a signed histogram of ``d`` per region (:data:`EDGES`) that grows by the tokens of kept rows, and shrunk
+towards a prior (centre 0, scale :data:`PRIOR_SCALE`) that weighs as :data:`PRIOR_TOKENS` tokens. Histograms add up, so steps and processes combine by summation; the scale is read from the **trainer-favouring**
+side alone (``d`` below the centre), which corruption (engine-favouring) does not reach, so the current batch's own
+tokens, corrupted rows included, can join the reading from the first step. Design: ``docs/detector.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from rollout_guard.detector.score import NUM_REGIONS, region_of
+
+_POSITIVE = ([0.01 * k for k in range(1, 51)] + [0.5 + 0.05 * k for k in range(1, 31)]
+             + [2.0 * 2.0 ** (k / 4) for k in range(1, 21)])
+EDGES = tuple([-v for v in reversed(_POSITIVE)] + [0.0] + _POSITIVE)
+"""nats: the edges of the ``d`` histogram, symmetric about 0: 0.01 apart up to 0.5, 0.05 apart up to 2, then a
+quarter-octave apart up to 64; the outermost bins are open."""
+NUM_BINS = len(EDGES) + 1
+PRIOR_SCALE = 0.25
+"""nats: the healthy-noise scale assumed before a region has tokens of its own. The published healthy mismatch of
+current stacks lies well inside it (mean |Δ log p| 0.064, a long response's max 0.32 nats); see docs/detector.md."""
+PRIOR_TOKENS = 1000.0
+"""tokens: the weight of the prior in each region's histogram (a region's own noise dominates after a few thousand)."""
+MIN_TAIL = 10.0
+"""tokens: the scale is fitted to the trainer-favouring tail only at depths where at least this many lie beyond."""
+SCALE_FLOOR = 0.01  # nats: the least scale read (bitwise-identical stacks have none; bf16 rounding is ~0.004)
+
+
+class Noise(NamedTuple):
+    centre: torch.Tensor  # (NUM_REGIONS,) nats: the median of d
+    scale: torch.Tensor  # (NUM_REGIONS,) nats: the Laplace scale that bounds the trainer-favouring tail
+    tokens: torch.Tensor  # (NUM_REGIONS,) tokens read
+
+
+@functools.cache
+def _edges(dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.tensor(EDGES, dtype=dtype).to(device)
+
+
+def histogram(delta: torch.Tensor, region: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """(NUM_REGIONS, NUM_BINS) float64 counts of the read tokens' ``d`` per region; one ``bincount``, no host sync.
+
+    >>> counts = histogram(torch.tensor([[0.005, -0.3, 2.0]]), torch.tensor([[3, 3, 0]]), torch.ones(1, 3, dtype=torch.bool))
+    >>> counts.sum(1).tolist(), counts[3, EDGES.index(0.0) + 1].item()  # the bin [0, 0.01) holds 0.005
+    ([1.0, 0.0, 0.0, 2.0], 1.0)
+    """
+    bins = torch.bucketize(delta.float().contiguous(), _edges(torch.float32, str(delta.device)), right=True)
+    index = torch.where(read, region * NUM_BINS + bins, torch.zeros_like(bins))
+    counts = torch.bincount(index.flatten(), weights=read.flatten().double(), minlength=NUM_REGIONS * NUM_BINS)
+    return counts.view(NUM_REGIONS, NUM_BINS)
+
+
+def token_histogram(engine: torch.Tensor, trainer: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """:func:`histogram` of ``engine − trainer`` by the engine's confidence region."""
+    return histogram(engine - trainer, region_of(engine), read)
+
+
+def _cdf(counts: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """(R, K) counts at or below ``at`` (R, K) per region, linear within a bin (an open bin's mass at its edge)."""
+    edges = _edges(counts.dtype, str(counts.device))
+    below = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)], dim=1)  # (R, NUM_BINS + 1)
+    k = torch.bucketize(at.contiguous(), edges, right=True)  # the bin of each point
+    lo = edges[(k - 1).clamp(min=0, max=len(EDGES) - 1)]
+    hi = edges[k.clamp(max=len(EDGES) - 1)]
+    inner = (k > 0) & (k < len(EDGES))
+    share = torch.where(inner, ((at - lo) / (hi - lo)).clamp(0, 1), (k >= len(EDGES)).to(at.dtype))
+    return below.gather(1, k) + counts.gather(1, k) * share
+
+
+def noise_of(counts: torch.Tensor) -> Noise:
+    """The healthy noise a histogram shows, per region.
+
+    The centre ``μ`` is the median of ``d``. The scale is the least Laplace scale whose tail covers the
+    trainer-favouring tail at every depth ``u`` where at least :data:`MIN_TAIL` tokens, and at most a share ``1/e``
+    of that side, lie beyond it (the tail, where a small shift of the median moves little):
+
+    .. math:: b = \\max_u \\frac{u}{\\ln\\big(N_-/S(u)\\big)},\\quad S(u) = \\#\\{d \\le \\mu - u\\},\\ N_- = S(0)
+
+    (a Laplace tail has ``S(u) = N_- e^{-u/b}`` at every depth; a heavier tail raises ``b``), at least
+    :data:`SCALE_FLOOR`.
+
+    >>> _ = torch.manual_seed(0); d = 0.1 * torch.distributions.Laplace(0.0, 1.0).sample((1, 100_000))
+    >>> noise = noise_of(histogram(d + 0.3, torch.full(d.shape, 2), torch.ones(d.shape, dtype=torch.bool)))
+    >>> round(noise.centre[2].item(), 2), round(noise.scale[2].item(), 1), noise.scale[0].item()  # region 0: no data
+    (0.3, 0.1, 0.01)
+    """
+    counts = counts.double()
+    total = counts.sum(1, keepdim=True)
+    centre = _median(counts, total)
+    depths = torch.tensor([v for v in EDGES if v > 0], dtype=counts.dtype, device=counts.device)
+    at = centre.unsqueeze(1) - depths  # (R, U)
+    beyond = _cdf(counts, at)
+    below = _cdf(counts, centre.unsqueeze(1))  # (R, 1)
+    usable = (beyond >= MIN_TAIL) & (beyond <= below / math.e)  # the tail: a scale or more below the centre
+    fitted = depths / torch.log(below / beyond.clamp(min=1e-300))
+    scale = torch.where(usable, fitted, torch.zeros_like(fitted)).amax(1).clamp(min=SCALE_FLOOR)
+    return Noise(centre=centre, scale=scale, tokens=total.squeeze(1))
+
+
+def _median(counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """(R,) the median of each region's histogram, linear within its bin."""
+    edges = _edges(counts.dtype, str(counts.device))
+    cum = counts.cumsum(1)
+    half = 0.5 * total
+    k = (cum < half).sum(1, keepdim=True).clamp(max=NUM_BINS - 1)  # the bin holding the median
+    before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(half))
+    inside = counts.gather(1, k)
+    lo = edges[(k - 1).clamp(min=0, max=len(EDGES) - 1)]
+    hi = edges[k.clamp(max=len(EDGES) - 1)]
+    inner = (k > 0) & (k < len(EDGES))
+    share = ((half - before) / inside.clamp(min=1e-300)).clamp(0, 1)
+    value = torch.where(inner, lo + share * (hi - lo), torch.where(k == 0, hi, lo))
+    return value.squeeze(1)
+
+
+def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_tokens: float = PRIOR_TOKENS) -> Noise:
+    """:func:`noise_of` the run's histogram, shrunk towards the prior by weight: with ``n`` tokens in a region,
+    ``μ = n μ̂ / (n + n₀)`` and ``b = (n₀ b₀ + n b̂) / (n + n₀)``. A region with few tokens is judged at about the
+    prior's scale; after a few thousand its own reading dominates.
+
+    >>> empty = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
+    >>> healthy_noise(empty).scale.tolist() == [PRIOR_SCALE] * NUM_REGIONS
+    True
+    """
+    own = noise_of(counts)
+    weight = own.tokens / (own.tokens + prior_tokens)
+    return Noise(centre=weight * own.centre, scale=weight * own.scale + (1 - weight) * prior_scale, tokens=own.tokens)
