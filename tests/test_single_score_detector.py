@@ -191,3 +191,21 @@ def test_the_score_does_not_depend_on_where_the_run_centres_its_noise(rows, toke
     assert torch.equal(first.onset >= 0, read.any(-1))
     moved = row_scores((x + shift) - shift, scale, read)
     assert torch.allclose(first.score, moved.score, atol=1e-3, equal_nan=True)
+
+
+def test_an_offset_of_the_engine_s_processed_logprobs_is_the_centre_from_the_first_step():
+    """A top-k cut raises every engine logprob by ~1.5 nats (the log of the kept mass): healthy, two-sided around
+    that offset. The first batch, 200 tokens, is judged around its own median: nothing flagged."""
+    engine, trainer, mask = healthy(20, 10, 0.05, seed=15)
+    judgement = Detector().judge(engine, trainer - 1.5, mask)
+    assert not judgement.suspect.any() and (judgement.noise.centre[judgement.noise.tokens > 0] > 1.2).all()
+
+
+def test_a_corrupted_token_alone_in_its_confidence_region_does_not_centre_that_region_on_itself():
+    """The only unlikely token of a short batch, 9.2 nats engine-favouring: its region's median is the token itself,
+    so the region's centre leans on every region's median instead, and the row is flagged."""
+    engine = torch.full((4, 20), -0.1)
+    trainer = engine - laplace((4, 20), 0.02, seed=16)
+    engine[2, 7], trainer[2, 7] = -3.5, -12.7
+    judgement = Detector().judge(engine, trainer, torch.ones(4, 20, dtype=torch.bool))
+    assert judgement.suspect.nonzero().flatten().tolist() == [2] and judgement.noise.centre[0] < 1.0

@@ -1,7 +1,7 @@
 """The run's healthy noise: per confidence region, the centre and Laplace scale of ``d = engine − trainer``.
 
-Read from a signed histogram of ``d`` per region (:data:`EDGES`) that grows by the tokens of kept rows, and shrunk
-towards a prior (centre 0, scale :data:`PRIOR_SCALE`) that weighs as :data:`PRIOR_TOKENS` tokens. Histograms add up, so steps and processes combine by summation; the scale is read from the **trainer-favouring**
+Read from a signed histogram of ``d`` per region (:data:`EDGES`) that grows by the tokens of kept rows, the scale
+shrunk towards a prior (:data:`PRIOR_SCALE`) that weighs as :data:`PRIOR_TOKENS` tokens. Histograms add up, so steps and processes combine by summation; the scale is read from the **trainer-favouring**
 side alone (``d`` below the centre), which corruption (engine-favouring) does not reach, so the current batch's own
 tokens, corrupted rows included, can join the reading from the first step. Design: ``docs/detector.md``.
 """
@@ -27,6 +27,8 @@ PRIOR_SCALE = 0.25
 current stacks lies well inside it (mean |Δ log p| 0.064, a long response's max 0.32 nats); see docs/detector.md."""
 PRIOR_TOKENS = 1000.0
 """tokens: the weight of the prior in each region's histogram (a region's own noise dominates after a few thousand)."""
+CENTRE_TOKENS = 50.0
+"""tokens: the weight of the median of all regions' tokens in a region's centre."""
 MIN_TAIL = 10.0
 """tokens: the scale is fitted to the trainer-favouring tail only at depths where at least this many lie beyond."""
 SCALE_FLOOR = 0.01  # nats: the least scale read (bitwise-identical stacks have none; bf16 rounding is ~0.004)
@@ -120,9 +122,12 @@ def _median(counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 
 def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_tokens: float = PRIOR_TOKENS) -> Noise:
-    """:func:`noise_of` the run's histogram, shrunk towards the prior by weight: with ``n`` tokens in a region,
-    ``μ = n μ̂ / (n + n₀)`` and ``b = (n₀ b₀ + n b̂) / (n + n₀)``. A region with few tokens is judged at about the
-    prior's scale; after a few thousand its own reading dominates.
+    """:func:`noise_of` the run's histogram, its scale shrunk towards the prior by weight: with ``n`` tokens in a
+    region, ``b = (n₀ b₀ + n b̂) / (n + n₀)``. A region with few tokens is judged at about the prior's scale; after a
+    few thousand its own reading dominates. The centre has no prior (a top-p or top-k cut moves it by up to a few
+    nats): it is the region's median shrunk towards the median of every region's tokens, ``μ = (n μ̂ + n_c μ̂_all) /
+    (n + n_c)`` with ``n_c`` = :data:`CENTRE_TOKENS`, so that a region's few tokens never centre themselves (a single
+    corrupted token would be its own median).
 
     >>> empty = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
     >>> healthy_noise(empty).scale.tolist() == [PRIOR_SCALE] * NUM_REGIONS
@@ -130,4 +135,8 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     """
     own = noise_of(counts)
     weight = own.tokens / (own.tokens + prior_tokens)
-    return Noise(centre=weight * own.centre, scale=weight * own.scale + (1 - weight) * prior_scale, tokens=own.tokens)
+    pooled = counts.sum(0, keepdim=True)
+    total = pooled.sum(1, keepdim=True)
+    everywhere = torch.where(total.squeeze(1) > 0, _median(pooled, total), torch.zeros_like(total.squeeze(1)))
+    centre = (own.tokens * own.centre + CENTRE_TOKENS * everywhere) / (own.tokens + CENTRE_TOKENS)
+    return Noise(centre=centre, scale=weight * own.scale + (1 - weight) * prior_scale, tokens=own.tokens)
