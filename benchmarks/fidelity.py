@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import typer
@@ -57,7 +58,40 @@ def preset(name: str) -> GuardConfig:
                            spike_excess=None, drift_threshold=None, changepoint_budget=None)
     if name == "detector-only":  # the direction-aware rules and NaN rules alone
         return GuardConfig(max_quarantine_share=None, spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
-    raise typer.BadParameter(f"--preset {name!r}: use 'defaults', 'v0.1' or 'detector-only'")
+    if name == "single-score":  # rollout_guard.detector.Detector with its defaults (SingleScore); no rule of these
+        return GuardConfig(max_quarantine_share=None, spike_delta=None, mean_delta=None, confident_wrong_tokens=None,
+                           nonfinite_engine_tokens=None, nonfinite_trainer_tokens=None, spike_excess=None,
+                           drift_threshold=None, changepoint_budget=None)
+    raise typer.BadParameter(f"--preset {name!r}: use 'defaults', 'v0.1', 'detector-only' or 'single-score'")
+
+
+class SingleScore:
+    """:class:`rollout_guard.detector.Detector` behind the part of ``RolloutGuard``'s interface the replay uses:
+    each step judged, then learned from its kept rows; a change of sampling setting starts the noise over."""
+
+    def __init__(self, device: str) -> None:
+        from rollout_guard.detector import Detector
+
+        self.detector = Detector(device=device)
+        self.sampling: tuple | None = None
+
+    def inspect(self, evidence, step: int, sampling=None) -> SimpleNamespace:
+        if sampling is not None:
+            if self.sampling is not None and tuple(sampling) != self.sampling:
+                self.detector.reset()
+            self.sampling = tuple(sampling)
+        judgement = self.detector.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask)
+        self.detector.update(judgement.kept_counts)
+        samples = torch.full((evidence.batch_size, len(COLUMN)), math.nan, dtype=torch.float64)
+        return SimpleNamespace(samples=samples, suspect=judgement.suspect.cpu(), drift_threshold=None,
+                               changepoint_threshold=None)
+
+    def state_dict(self) -> dict:
+        return {"detector": self.detector.state_dict(), "sampling": self.sampling}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detector.load_state_dict(state["detector"])
+        self.sampling = state["sampling"]
 
 
 def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
@@ -170,9 +204,11 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False, sti
     return out
 
 
-def _guard(config: GuardConfig, device: str, per_token_offset: bool) -> RolloutGuard:
+def _guard(config: GuardConfig, device: str, per_token_offset: bool, single_score: bool = False) -> RolloutGuard:
     """The guard of one condition, told whether a top-k cut's offset stays in the trainer's logprobs
-    (``Calibration.per_token_offset``, as the TRL adapter sets it)."""
+    (``Calibration.per_token_offset``, as the TRL adapter sets it); ``single_score``: :class:`SingleScore`."""
+    if single_score:
+        return SingleScore(device)
     guard = RolloutGuard(config, device=device)
     guard.calibration.per_token_offset = per_token_offset
     return guard
@@ -328,7 +364,8 @@ def main(
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
                         mask_truncated=mask_truncated, device=device, announce_sampling=announce_sampling,
                         warmup_steps=warmup_steps, dense_phase2=dense_phase2,
-                        make_guard=functools.partial(_guard, device=device, per_token_offset=per_token_offset))
+                        make_guard=functools.partial(_guard, device=device, per_token_offset=per_token_offset,
+                                                     single_score=preset_name == "single-score"))
         judged_all.append(judged)
         f = figures(judged, config)
         results.append({"condition": name, "params": params, "figures": f})

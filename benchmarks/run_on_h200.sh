@@ -28,7 +28,7 @@ if [ "$PART" = fidelity ]; then
         --out "/tmp/runs/$name" > "/tmp/runs/$name.log" 2>&1
     echo "$name exit $? $(date +%T)" >> /tmp/runs/status.txt
     # after each run, so that what finished comes back if the call is cut off
-    flock /tmp/results.lock bash -c "cp /tmp/runs/$name/results-defaults.json /tmp/results/$name.json 2>/dev/null;
+    flock /tmp/results.lock bash -c "cp /tmp/runs/$name/results-*.json /tmp/results/$name.json 2>/dev/null;
                                      tar czf $OUT/results.tgz -C /tmp results"
   }
   export -f fidelity_run

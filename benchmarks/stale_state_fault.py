@@ -4,7 +4,8 @@ Generates with vLLM (bf16) from the same copy prompts under stress conditions tw
 with ``rollout_guard.integrations.testing_faults`` switched on, once with vLLM as shipped. Every rollout is
 re-scored with transformers (float32) given its true prompt: that is the ground truth. Prints, per condition, how
 many rollouts disagree (max |Δ| above 1, 3 and 8 nats), their |Δ| profile (max, mean over their tokens, the
-engine's logprob of the worst token), what the guard's defaults flag, and how often the fault fired.
+engine's logprob of the worst token), what the guard's defaults flag, and how often the fault fired. ``--json``
+keeps every rollout's per-token engine and trainer logprobs (``benchmarks/real_engine_detection.py`` reads them).
 
     python benchmarks/stale_state_fault.py                       # builds the tiny Mamba2 model (~6 min) once
     python benchmarks/stale_state_fault.py --prompts 64 --rounds 3 --json results.json
@@ -51,7 +52,8 @@ def run_condition(args: argparse.Namespace) -> dict:
         worst = int(delta.argmax()) if len(delta) else -1
         rows.append({"tokens": len(delta), "max": float(delta.max()) if len(delta) else 0.0,
                      "mean": float(delta.mean()) if len(delta) else 0.0,
-                     "worst_engine_logprob": float(e[worst]) if worst >= 0 else None})
+                     "worst_engine_logprob": float(e[worst]) if worst >= 0 else None,
+                     "engine": e.tolist(), "trainer": t.tolist()})
     return {"condition": args.condition, "conditions": result.conditions, "samples": rows,
             "suspect": int(result.report.metrics["suspect"]), "fault_stats": dict(testing_faults.FAULT_STATS)}
 

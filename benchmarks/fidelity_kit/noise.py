@@ -19,8 +19,9 @@ log-softmax under independent logit errors of sd σ0 moves by sd σ0 · √((1 �
 where the rest of the mass is spread thin; quiet on confident tokens, flat on unlikely ones), with σ0 fitted to the
 fraction (dense) or the mean (hybrid) above; and a rare tail on tokens both sides find unlikely (engine logprob < −3),
 ±LogUniform(1, max) nats (kept below −3 nats for the trainer too: both sides find such a token unlikely), with its
-rate fitted so that a step of the benchmark's size reaches the published per-step max about once. Non-finite
-logprobs stay as they are.
+rate fitted so that a step of the benchmark's size reaches the published per-step max about once; an
+engine-favouring tail token lowers the trainer's logprob, a trainer-favouring one the engine's, so that the tail is
+two-sided like the broad part. Non-finite logprobs stay as they are.
 """
 
 from __future__ import annotations
@@ -122,10 +123,15 @@ def heavy_tail(rollouts: Rollouts, generator: torch.Generator, fitted: dict) -> 
     sign = torch.where(torch.rand(mask.shape, generator=generator) < 0.5, -1.0, 1.0)
     shift = torch.where(hit, sign * size, shift)
     trainer = (rollouts.trainer - shift).clamp(max=-1e-6)
-    # a healthy tail token stays unlikely for both sides (the published large |Δ| sit on such tokens)
-    trainer = torch.where(hit, trainer.clamp(max=UNLIKELY), trainer)
+    # a healthy tail token stays unlikely for both sides (the published large |Δ| sit on such tokens): an
+    # engine-favouring one lowers the trainer's logprob, a trainer-favouring one the engine's, so that the tail is
+    # two-sided, as the real engines' healthy mismatch is (docs/detector.md)
+    down = hit & (sign < 0)
+    trainer = torch.where(hit & ~down, trainer.clamp(max=UNLIKELY), torch.where(down, rollouts.trainer, trainer))
+    engine = torch.where(down, rollouts.engine - size, rollouts.engine)
     keep = mask & torch.isfinite(rollouts.trainer) & torch.isfinite(rollouts.engine)
-    return replace(rollouts, trainer=torch.where(keep, trainer, rollouts.trainer))
+    return replace(rollouts, trainer=torch.where(keep, trainer, rollouts.trainer),
+                   engine=torch.where(keep, engine, rollouts.engine))
 
 
 def describe(rollouts: Rollouts) -> dict:

@@ -122,9 +122,10 @@ def _median(counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 
 def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_tokens: float = PRIOR_TOKENS) -> Noise:
-    """:func:`noise_of` the run's histogram, its scale shrunk towards the prior by weight: with ``n`` tokens in a
-    region, ``b = (n₀ b₀ + n b̂) / (n + n₀)``. A region with few tokens is judged at about the prior's scale; after a
-    few thousand its own reading dominates. The centre has no prior (a top-p or top-k cut moves it by up to a few
+    """:func:`noise_of` the run's histogram, its scale an upper bound: a reading narrower than the prior is shrunk
+    towards it by weight, a wider one is taken as it is, ``b = max((n₀ b₀ + n b̂) / (n + n₀), b̂)`` with ``n`` tokens
+    in the region. A region with few quiet tokens is judged at about the prior's scale, one whose tokens show wider
+    noise at that width from its first step; after a few thousand quiet tokens their own reading dominates. The centre has no prior (a top-p or top-k cut moves it by up to a few
     nats): it is the region's median shrunk towards the median of every region's tokens, ``μ = (n μ̂ + n_c μ̂_all) /
     (n + n_c)`` with ``n_c`` = :data:`CENTRE_TOKENS`, so that a region's few tokens never centre themselves (a single
     corrupted token would be its own median).
@@ -139,4 +140,5 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     total = pooled.sum(1, keepdim=True)
     everywhere = torch.where(total.squeeze(1) > 0, _median(pooled, total), torch.zeros_like(total.squeeze(1)))
     centre = (own.tokens * own.centre + CENTRE_TOKENS * everywhere) / (own.tokens + CENTRE_TOKENS)
-    return Noise(centre=centre, scale=weight * own.scale + (1 - weight) * prior_scale, tokens=own.tokens)
+    shrunk = weight * own.scale + (1 - weight) * prior_scale
+    return Noise(centre=centre, scale=torch.maximum(shrunk, own.scale), tokens=own.tokens)
