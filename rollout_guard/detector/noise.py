@@ -63,14 +63,17 @@ def token_histogram(engine: torch.Tensor, trainer: torch.Tensor, read: torch.Ten
     return histogram(engine - trainer, region_of(engine), read)
 
 
+def _bounds(k: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lower and upper edge of each bin index ``k`` (an open bin's one edge twice), and whether it is closed."""
+    return edges[(k - 1).clamp(min=0, max=len(EDGES) - 1)], edges[k.clamp(max=len(EDGES) - 1)], (k > 0) & (k < len(EDGES))
+
+
 def _cdf(counts: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """(R, K) counts at or below ``at`` (R, K) per region, linear within a bin (an open bin's mass at its edge)."""
     edges = _edges(counts.dtype, str(counts.device))
     below = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)], dim=1)  # (R, NUM_BINS + 1)
     k = torch.bucketize(at.contiguous(), edges, right=True)  # the bin of each point
-    lo = edges[(k - 1).clamp(min=0, max=len(EDGES) - 1)]
-    hi = edges[k.clamp(max=len(EDGES) - 1)]
-    inner = (k > 0) & (k < len(EDGES))
+    lo, hi, inner = _bounds(k, edges)
     share = torch.where(inner, ((at - lo) / (hi - lo)).clamp(0, 1), (k >= len(EDGES)).to(at.dtype))
     return below.gather(1, k) + counts.gather(1, k) * share
 
@@ -113,9 +116,7 @@ def _median(counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     k = (cum < half).sum(1, keepdim=True).clamp(max=NUM_BINS - 1)  # the bin holding the median
     before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(half))
     inside = counts.gather(1, k)
-    lo = edges[(k - 1).clamp(min=0, max=len(EDGES) - 1)]
-    hi = edges[k.clamp(max=len(EDGES) - 1)]
-    inner = (k > 0) & (k < len(EDGES))
+    lo, hi, inner = _bounds(k, edges)
     share = ((half - before) / inside.clamp(min=1e-300)).clamp(0, 1)
     value = torch.where(inner, lo + share * (hi - lo), torch.where(k == 0, hi, lo))
     return value.squeeze(1)
