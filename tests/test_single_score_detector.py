@@ -47,12 +47,18 @@ def test_healthy_rows_at_the_assumed_noise_stay_under_the_budget(tokens):
         assert float((scores > math.log(1 / alpha)).float().mean()) <= alpha
 
 
-def test_trainer_favouring_disagreement_is_not_the_signature():
-    """A token the trainer favours by 9 nats weighs against corruption; the same token engine-favouring fires."""
-    x = laplace((2, 30), 0.25, seed=3)
-    x[0, 10], x[1, 10] = -9.0, 9.0
+def test_a_sustained_shift_counts_only_towards_the_engine_and_a_spike_counts_on_both_sides_engine_first():
+    """From token 10 on, a nat towards the engine is the stale-state signature (fires), a nat towards the trainer is
+    not (kept). One 9-nat spike fires either way (a garbage logprob can fall on both sides), the engine-favouring
+    one with the higher score."""
+    x = laplace((4, 30), 0.25, seed=3)
+    x[0, 10:] += 1.0
+    x[1, 10:] -= 1.0
+    x[2, 10], x[3, 10] = 9.0, -9.0
     scores = row_scores(x, torch.full_like(x, 0.25), torch.ones_like(x, dtype=torch.bool)).score
-    assert scores[0] < 0 < math.log(1000) < scores[1]
+    threshold = math.log(1000)
+    assert scores[0] > threshold > scores[1]
+    assert scores[2] > scores[3] > threshold
 
 
 @pytest.mark.parametrize("engine_lp, trainer_lp", [

@@ -144,8 +144,9 @@ def explain(judgement: Judgement, row: int, engine: torch.Tensor, trainer: torch
     scale = float(judgement.noise.scale[region])
     verdict = "suspect" if reasons else "kept"
     where = "over" if score > threshold else "under"
-    line = (f"{verdict}: from token {onset} (engine {e:.3g}, trainer {t:.3g} nats) the engine favours it by "
-            f"{e - t:.2g} nats, {abs(e - t) / scale:.0f} times this run's healthy noise ({scale:.2g} nats); "
+    side = "engine" if e >= t else "trainer"
+    line = (f"{verdict}: from token {onset} (engine {e:.3g}, trainer {t:.3g} nats) the {side} favours it by "
+            f"{abs(e - t):.2g} nats, {abs(e - t) / scale:.0f} times this run's healthy noise ({scale:.2g} nats); "
             f"score {score:.1f} {where} the threshold {threshold:.1f}")
     if reasons & RULE_BIT["ceiling"]:
         line += "; a token beyond the absolute ceiling"

@@ -11,7 +11,8 @@ by a lag ``D > 0`` moves ``x`` to ``x − D`` on the tokens it affects. Two alte
 * **from some token on** (``Λ_onset``): the onset token lags by ``D``, every later read token by ``g ~ U(0, D)``;
   the onset is uniform over the row's read tokens.
 * **at a few tokens** (``Λ_sparse``): each read token lags independently with probability ``π = 1/n`` (one expected
-  per row of ``n`` read tokens), by ``D``.
+  per row of ``n`` read tokens), by ``D``, towards the engine with probability :data:`ENGINE_FAVOURING`, else by
+  ``−D`` (a garbage engine logprob below the trainer's).
 
 The score is ``ln Λ`` with ``Λ = ½ Λ_onset + ½ Λ_sparse``. Under the healthy noise the test assumes, ``E[Λ] = 1``, so
 ``ln Λ > ln(1/α)`` fires on at most a share ``α`` of healthy rows (Markov's inequality): one threshold from one
@@ -30,9 +31,13 @@ REGION_EDGES = (-3.0, -1.5, -0.5)
 """nats: the engine-logprob edges of the confidence regions (< −3, [−3, −1.5), [−1.5, −0.5), [−0.5, 0]): healthy
 noise grows with a token's surprise, so each region learns its own scale."""
 NUM_REGIONS = len(REGION_EDGES) + 1
-LAGS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
-"""nats: the lags ``D`` an engine that is off may add, log-spaced (scale-free: the same weight per octave) from the
-smallest lag that matters in a precise stack to a token the trainer finds 10⁷ times less likely."""
+LAGS = (1.0, 2.0, 4.0, 8.0, 16.0)
+"""nats: the lags ``D`` an engine that is off may add, log-spaced (the same weight per octave) from 1 nat to a token
+the trainer finds 10⁷ times less likely. Below 1 nat a sustained shift is within the healthy variation of a top-p
+cut's offset along a row (docs/detector.md)."""
+ENGINE_FAVOURING = 0.75
+"""The share of the sparse alternative's lags that favour the engine: its signature, while a garbage logprob the
+engine reports (a kernel overflow) can fall on either side."""
 CHUNK_ELEMENTS = 1 << 24  # rows × tokens × lags a chunk of rows is scored in (each float32 intermediate ≤ 64 MiB)
 
 
@@ -140,8 +145,10 @@ def _chunk_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor) -> R
     n = read.sum(-1).float()
     log_n = torch.log(n.clamp(min=1.0))
     log_onset = torch.logsumexp(onset_terms.flatten(1), dim=-1) - log_n - math.log(len(LAGS))
-    # the sparse alternative: Π_t (1 − π + π·m_t) with π = 1/n and m_t the mean over lags of exp(first)
-    log_m = torch.logsumexp(first, dim=-1) - math.log(len(LAGS))  # (B, T)
+    # the sparse alternative: Π_t (1 − π + π·m_t) with π = 1/n and m_t the mean over signed lags of exp(ℓ)
+    down = onset_log_ratio(-xs, b, lags)  # a lag of the trainer-favouring sign
+    log_m = torch.logaddexp(torch.logsumexp(first, dim=-1) + math.log(ENGINE_FAVOURING),
+                            torch.logsumexp(down, dim=-1) + math.log(1 - ENGINE_FAVOURING)) - math.log(len(LAGS))
     log_pi = -log_n.unsqueeze(-1)
     log_rest = torch.log1p(-torch.exp(log_pi).clamp(max=1 - 1e-7))
     per_token = torch.logaddexp(log_rest, log_pi + log_m)
