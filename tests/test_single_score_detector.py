@@ -215,3 +215,20 @@ def test_a_corrupted_token_alone_in_its_confidence_region_does_not_centre_that_r
     engine[2, 7], trainer[2, 7] = -3.5, -12.7
     judgement = Detector().judge(engine, trainer, torch.ones(4, 20, dtype=torch.bool))
     assert judgement.suspect.nonzero().flatten().tolist() == [2] and judgement.noise.centre[0] < 1.0
+
+
+def test_a_heavy_tail_the_run_shows_on_the_trainer_side_is_not_read_as_a_lag_on_the_engine_side():
+    """A run whose unlikely tokens sometimes disagree by 10 nats, on both sides (here: 20 such trainer-favouring
+    tokens among its first 200,000, one in a row). A lone engine-favouring 9-nat token there is its tail, and is kept; the same
+    token in a quiet run is flagged."""
+    heavy, quiet = Detector(), Detector()
+    for seed in range(4):
+        engine, trainer, mask = healthy(1000, 50, 0.1, seed=20 + seed)
+        quiet.update(quiet.judge(engine, trainer, mask).kept_counts)
+        rows = torch.arange(5) * 200  # five rows, one such token each
+        engine[rows, 3], trainer[rows, 3] = -12.0, -2.0  # trainer-favouring by 10 nats, both sides unsure
+        heavy.update(heavy.judge(engine, trainer, mask).kept_counts)
+    engine, trainer, mask = healthy(64, 50, 0.1, seed=30)
+    engine[5, 20], trainer[5, 20] = -3.5, -12.5
+    assert not heavy.judge(engine, trainer, mask).suspect[5]
+    assert quiet.judge(engine, trainer, mask).suspect.nonzero().flatten().tolist() == [5]

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, noise_of
+from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, noise_of, tail_rarity
 from rollout_guard.detector.score import NUM_REGIONS, region_of, row_scores
 
 RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score")
@@ -92,11 +92,11 @@ class Detector:
         engine_read = torch.where(read, engine, torch.zeros_like(engine))
         delta = engine_read - torch.where(read, trainer, torch.zeros_like(trainer))
         region = region_of(engine_read)
-        batch = histogram(delta, region, read)
-        noise = healthy_noise(self.counts + batch)
+        counts = self.counts + histogram(delta, region, read)
+        noise = healthy_noise(counts)
         x = delta - noise.centre.to(delta.dtype)[region]
         scale = noise.scale.to(delta.dtype)[region]
-        scored = row_scores(x, scale, read)
+        scored = row_scores(x, scale, read, tail_rarity(counts, noise, region, x))
         reasons = (((mask & ~finite_engine).any(-1)).int() * RULE_BIT["nonfinite_engine"]
                    | ((mask & ~finite_trainer).any(-1)).int() * RULE_BIT["nonfinite_trainer"]
                    | (scored.score > self.threshold).int() * RULE_BIT["score"])

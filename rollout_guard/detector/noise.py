@@ -143,3 +143,28 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     centre = (own.tokens * own.centre + CENTRE_TOKENS * everywhere) / (own.tokens + CENTRE_TOKENS)
     shrunk = weight * own.scale + (1 - weight) * prior_scale
     return Noise(centre=centre, scale=torch.maximum(shrunk, own.scale), tokens=own.tokens)
+
+
+def tail_rarity(counts: torch.Tensor, noise: Noise, region: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B, T) ``−ln(S_r(|x|) / N₋)``: how rare the run's trainer-favouring side has shown a distance ``|x|`` from its
+    region's centre to be; +inf where no token there lies as deep. No token's evidence may exceed it (a heavy
+    healthy tail the run shows on that side cannot be read as a lag on the other), and a quiet run caps nothing.
+
+    >>> counts = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
+    >>> counts[0, EDGES.index(-8.0)] = 1.0; counts[0, EDGES.index(0.0)] = 999.0  # one token 8 nats deep of 1000
+    >>> noise = Noise(torch.zeros(NUM_REGIONS), torch.full((NUM_REGIONS,), 0.1), counts.sum(1))
+    >>> [round(v, 2) for v in tail_rarity(counts, noise, torch.tensor([0, 0, 1]), torch.tensor([5.0, 10.0, 5.0])).tolist()]
+    [6.91, inf, inf]
+    """
+    edges = _edges(counts.dtype, str(counts.device))
+    centre = noise.centre.to(counts.dtype)
+    at = torch.cat([centre[region].unsqueeze(-1) - x.abs().to(counts.dtype).unsqueeze(-1),
+                    centre[region].unsqueeze(-1)], dim=-1)  # (B, T, 2): the depth and the centre
+    k = torch.bucketize(at.contiguous(), edges, right=True)
+    lo, hi, inner = _bounds(k, edges)
+    share = torch.where(inner, ((at - lo) / (hi - lo)).clamp(0, 1), (k >= len(EDGES)).to(at.dtype))
+    below = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)], dim=1)
+    row = region.unsqueeze(-1)
+    beyond = below[row, k] + counts[row, k] * share  # (B, T, 2): tokens at or below each point
+    rarity = torch.log(beyond[..., 1] / beyond[..., 0])
+    return torch.where(beyond[..., 0] > 0, rarity, torch.full_like(rarity, math.inf)).to(x.dtype)

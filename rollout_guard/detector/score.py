@@ -99,13 +99,15 @@ def later_log_ratio(x: torch.Tensor, b: torch.Tensor, lag: torch.Tensor) -> torc
     return torch.log(b / lag) + body
 
 
-def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor) -> RowScores:
+def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: torch.Tensor | None = None) -> RowScores:
     """Each row's ``ln Λ`` (module docstring), its onset and its largest excess.
 
     Args:
         x: (B, T) float: ``engine − trainer − centre`` per token (nats).
         scale: (B, T) float > 0: the healthy-noise scale ``b`` of each token's region (nats).
         read: (B, T) bool: the tokens that count (in the loss mask, both logprobs finite).
+        cap: (B, T) float, optional: the most a token's log ratio may count for (a lag at that token; the run's own
+            tail rarity, :func:`rollout_guard.detector.noise.tail_rarity`); capping from above keeps ``E[Λ] ≤ 1``.
     Returns:
         :class:`RowScores`, on ``x``'s device; rows are scored in chunks of at most :data:`CHUNK_ELEMENTS`
         rows × tokens × lags, so that the intermediates stay small.
@@ -124,19 +126,21 @@ def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor) -> RowS
         none = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         return RowScores(none - math.inf, none.long() - 1, none + math.nan)
     rows = max(1, CHUNK_ELEMENTS // max(x.shape[-1] * len(LAGS), 1))
-    parts = [_chunk_scores(x[i: i + rows], scale[i: i + rows], read[i: i + rows]) for i in range(0, x.shape[0], rows)]
+    cap = torch.full_like(x, math.inf) if cap is None else cap
+    parts = [_chunk_scores(x[i: i + rows], scale[i: i + rows], read[i: i + rows], cap[i: i + rows])
+             for i in range(0, x.shape[0], rows)]
     if len(parts) == 1:
         return parts[0]
     return RowScores(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
-def _chunk_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor) -> RowScores:
-    x, scale, read = x.float(), scale.float(), read.bool()
+def _chunk_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: torch.Tensor) -> RowScores:
+    x, scale, read, cap = x.float(), scale.float(), read.bool(), cap.float().unsqueeze(-1)
     x = torch.where(read, x, torch.zeros_like(x))
     b = torch.where(read, scale, torch.ones_like(scale)).unsqueeze(-1)  # (B, T, 1)
     lags = _on(LAGS, torch.float32, str(x.device))  # (L,)
     xs = x.unsqueeze(-1)
-    first = onset_log_ratio(xs, b, lags)  # (B, T, L)
+    first = onset_log_ratio(xs, b, lags).minimum(cap)  # (B, T, L)
     later = later_log_ratio(xs, b, lags)
     mask = read.unsqueeze(-1)
     later = torch.where(mask, later, torch.zeros_like(later))
@@ -146,7 +150,7 @@ def _chunk_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor) -> R
     log_n = torch.log(n.clamp(min=1.0))
     log_onset = torch.logsumexp(onset_terms.flatten(1), dim=-1) - log_n - math.log(len(LAGS))
     # the sparse alternative: Π_t (1 − π + π·m_t) with π = 1/n and m_t the mean over signed lags of exp(ℓ)
-    down = onset_log_ratio(-xs, b, lags)  # a lag of the trainer-favouring sign
+    down = onset_log_ratio(-xs, b, lags).minimum(cap)  # a lag of the trainer-favouring sign
     log_m = torch.logaddexp(torch.logsumexp(first, dim=-1) + math.log(ENGINE_FAVOURING),
                             torch.logsumexp(down, dim=-1) + math.log(1 - ENGINE_FAVOURING)) - math.log(len(LAGS))
     log_pi = -log_n.unsqueeze(-1)
