@@ -218,15 +218,17 @@ def test_a_corrupted_token_alone_in_its_confidence_region_does_not_centre_that_r
 
 
 def test_a_heavy_tail_the_run_shows_on_the_trainer_side_is_not_read_as_a_lag_on_the_engine_side():
-    """A run whose unlikely tokens sometimes disagree by 10 nats, on both sides (here: 20 such trainer-favouring
-    tokens among its first 200,000, one in a row). A lone engine-favouring 9-nat token there is its tail, and is kept; the same
-    token in a quiet run is flagged."""
+    """A run whose unlikely tokens sometimes disagree by 10 nats, on both sides (here: 40 such tokens among its first
+    200,000, one in a row). Each side's deep tokens are held to how rare the other side has shown them, so the run
+    learns its own tail within a step or two; a lone engine-favouring 9-nat token there is its tail and is kept, the
+    same token in a quiet run is flagged."""
     heavy, quiet = Detector(), Detector()
     for seed in range(4):
         engine, trainer, mask = healthy(1000, 50, 0.1, seed=20 + seed)
         quiet.update(quiet.judge(engine, trainer, mask).kept_counts)
-        rows = torch.arange(5) * 200  # five rows, one such token each
-        engine[rows, 3], trainer[rows, 3] = -12.0, -2.0  # trainer-favouring by 10 nats, both sides unsure
+        rows = torch.arange(10) * 100  # ten rows, one such token each
+        engine[rows[:5], 3], trainer[rows[:5], 3] = -13.0, -3.0  # trainer-favouring by 10 nats, both sides unsure
+        engine[rows[5:], 3], trainer[rows[5:], 3] = -3.2, -13.2  # engine-favouring by 10 nats
         heavy.update(heavy.judge(engine, trainer, mask).kept_counts)
     engine, trainer, mask = healthy(64, 50, 0.1, seed=30)
     engine[5, 20], trainer[5, 20] = -3.5, -12.5

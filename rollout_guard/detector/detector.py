@@ -96,7 +96,12 @@ class Detector:
         noise = healthy_noise(counts)
         x = delta - noise.centre.to(delta.dtype)[region]
         scale = noise.scale.to(delta.dtype)[region]
-        scored = row_scores(x, scale, read, tail_rarity(counts, noise, region, x))
+        # an engine-favouring token's evidence is capped by the trainer-favouring side of the run and this batch
+        # (corruption does not reach it), a trainer-favouring one's by the engine-favouring side of kept rows
+        mirrored = noise._replace(centre=-noise.centre)
+        cap = torch.where(x > 0, tail_rarity(counts, noise, region, x),
+                          tail_rarity(self.counts.flip(1), mirrored, region, x))
+        scored = row_scores(x, scale, read, cap)
         reasons = (((mask & ~finite_engine).any(-1)).int() * RULE_BIT["nonfinite_engine"]
                    | ((mask & ~finite_trainer).any(-1)).int() * RULE_BIT["nonfinite_trainer"]
                    | (scored.score > self.threshold).int() * RULE_BIT["score"])

@@ -146,9 +146,11 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
 
 
 def tail_rarity(counts: torch.Tensor, noise: Noise, region: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(B, T) ``−ln(S_r(|x|) / N₋)``: how rare the run's trainer-favouring side has shown a distance ``|x|`` from its
-    region's centre to be; +inf where no token there lies as deep. No token's evidence may exceed it (a heavy
-    healthy tail the run shows on that side cannot be read as a lag on the other), and a quiet run caps nothing.
+    """(B, T) ``−ln(S_r(|x|) / N₋)``: how rare the trainer-favouring side of ``counts`` has shown a distance ``|x|``
+    from its region's centre to be; +inf where no token there lies as deep (the engine-favouring side: ``counts``
+    flipped, the centre negated; :data:`EDGES` are symmetric). No token's evidence may exceed the other side's
+    rarity (a heavy healthy tail a run shows on one side cannot be read as a lag on the other), and a quiet run caps
+    nothing.
 
     >>> counts = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
     >>> counts[0, EDGES.index(-8.0)] = 1.0; counts[0, EDGES.index(0.0)] = 999.0  # one token 8 nats deep of 1000
