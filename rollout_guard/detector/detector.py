@@ -85,7 +85,8 @@ class Detector:
         """Judge (B, T) engine and trainer logprobs (nats) over the (B, T) loss mask; no host sync.
 
         The noise is the run's with this batch's tokens added (the scale reads their trainer-favouring side, which
-        corruption does not reach), so that a run broken from its first step is judged against its own noise."""
+        corruption mostly does not reach), so that a run broken from its first step is judged against its own
+        noise."""
         mask = mask.bool()
         finite_engine, finite_trainer = torch.isfinite(engine), torch.isfinite(trainer)
         read = mask & finite_engine & finite_trainer
@@ -115,9 +116,8 @@ class Detector:
         every process holds the same state."""
         before = self.counts.sum(1)
         self.counts = self.counts + kept_counts.to(self.counts)
-        reached = (before < EARLY_TOKENS) & (self.counts.sum(1) >= EARLY_TOKENS)
-        if bool(reached.any()):
-            self.early_scale = torch.where(reached, noise_of(self.counts).scale, self.early_scale)
+        reached = (before < EARLY_TOKENS) & (self.counts.sum(1) >= EARLY_TOKENS)  # no host sync: a where, each step
+        self.early_scale = torch.where(reached, noise_of(self.counts).scale, self.early_scale)
 
     def grown(self) -> torch.Tensor:
         """(NUM_REGIONS,) the run's noise scale over its early level per region (NaN before the early level is
