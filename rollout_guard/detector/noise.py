@@ -46,7 +46,8 @@ def _edges(dtype: torch.dtype, device: str) -> torch.Tensor:
 
 
 def histogram(delta: torch.Tensor, region: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
-    """(NUM_REGIONS, NUM_BINS) float64 counts of the read tokens' ``d`` per region; one ``bincount``, no host sync.
+    """(NUM_REGIONS, NUM_BINS) float64 counts of the read tokens' ``d`` per region; one ``index_add_`` (a
+    ``bincount`` would read its input's maximum on the host).
 
     >>> counts = histogram(torch.tensor([[0.005, -0.3, 2.0]]), torch.tensor([[3, 3, 0]]), torch.ones(1, 3, dtype=torch.bool))
     >>> counts.sum(1).tolist(), counts[3, EDGES.index(0.0) + 1].item()  # the bin [0, 0.01) holds 0.005
@@ -54,8 +55,8 @@ def histogram(delta: torch.Tensor, region: torch.Tensor, read: torch.Tensor) -> 
     """
     bins = torch.bucketize(delta.float().contiguous(), _edges(torch.float32, str(delta.device)), right=True)
     index = torch.where(read, region * NUM_BINS + bins, torch.zeros_like(bins))
-    counts = torch.bincount(index.flatten(), weights=read.flatten().double(), minlength=NUM_REGIONS * NUM_BINS)
-    return counts.view(NUM_REGIONS, NUM_BINS)
+    counts = torch.zeros(NUM_REGIONS * NUM_BINS, dtype=torch.float64, device=delta.device)
+    return counts.index_add_(0, index.flatten(), read.flatten().double()).view(NUM_REGIONS, NUM_BINS)
 
 
 def token_histogram(engine: torch.Tensor, trainer: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
