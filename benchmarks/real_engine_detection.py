@@ -118,7 +118,8 @@ def h200_streams(step_rows: int = 256, faults_per_step: int = 4) -> list[dict]:
             steps = [clean[i: i + fill] for i in range(skip, len(clean), fill)]
             steps = [step + faulty[k * faults_per_step: (k + 1) * faults_per_step] for k, step in enumerate(steps)]
             prefix = [clean[i: i + step_rows] for i in range(0, skip, step_rows)]
-            out.append({"name": name, "start": start, "prefix": prefix, "steps": steps, "sampling": (temperature, top_p, 0),
+            out.append({"name": name, "start": start, "prefix": prefix, "steps": steps,
+                        "sampling": (temperature, top_p, 0),
                         "clean_max": max(r["max"] for r in clean), "faults": len(faulty),
                         "judged_faults": sum(r["fault"] != "none" for step in steps for r in step)})
     return out

@@ -34,7 +34,8 @@ def test_the_later_token_ratio_is_the_lag_average_of_the_onset_ratio():
     g = torch.linspace(0, 2.0, 400_001, dtype=torch.float64)
     for x in (-4.0, -0.1, 0.0, 0.7, 1.99, 2.0, 6.0):
         integral = torch.log(torch.trapezoid(torch.exp((abs(x) - (x - g).abs()) / b), g) / lag)
-        assert float(later_log_ratio(torch.tensor(x, dtype=torch.float64), b, lag)) == pytest.approx(float(integral), abs=1e-6)
+        closed = float(later_log_ratio(torch.tensor(x, dtype=torch.float64), b, lag))
+        assert closed == pytest.approx(float(integral), abs=1e-6)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
@@ -176,7 +177,8 @@ def test_the_explanation_names_the_token_and_its_distance_in_noise_scales():
     detector = Detector()
     judgement = detector.judge(engine, trainer, mask)
     line = explain(judgement, 2, engine[2], trainer[2], detector.threshold)
-    assert line.startswith("suspect: from token 9 (engine -0.2, trainer -6.2 nats)") and "over the threshold 6.9" in line
+    assert line.startswith("suspect: from token 9 (engine -0.2, trainer -6.2 nats)")
+    assert "over the threshold 6.9" in line
     assert explain(judgement, 0, engine[0], trainer[0], detector.threshold).startswith("kept:")
 
 

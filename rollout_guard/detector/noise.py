@@ -1,9 +1,10 @@
 """The run's healthy noise: per confidence region, the centre and Laplace scale of ``d = engine − trainer``.
 
 Read from a signed histogram of ``d`` per region (:data:`EDGES`) that grows by the tokens of kept rows, the scale
-shrunk towards a prior (:data:`PRIOR_SCALE`) that weighs as :data:`PRIOR_TOKENS` tokens. Histograms add up, so steps and processes combine by summation; the scale is read from the **trainer-favouring**
-side alone (``d`` below the centre), which corruption (engine-favouring) does not reach, so the current batch's own
-tokens, corrupted rows included, can join the reading from the first step. Design: ``docs/detector.md``.
+shrunk towards a prior (:data:`PRIOR_SCALE`) that weighs as :data:`PRIOR_TOKENS` tokens. Histograms add up, so steps
+and processes combine by summation; the scale is read from the **trainer-favouring** side alone (``d`` below the
+centre), which corruption (mostly engine-favouring) does not reach, so the current batch's own tokens, corrupted rows
+included, can join the reading from the first step. Design: ``docs/detector.md``.
 """
 
 from __future__ import annotations
@@ -66,17 +67,20 @@ def token_histogram(engine: torch.Tensor, trainer: torch.Tensor, read: torch.Ten
 
 def _bounds(k: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lower and upper edge of each bin index ``k`` (an open bin's one edge twice), and whether it is closed."""
-    return edges[(k - 1).clamp(min=0, max=len(EDGES) - 1)], edges[k.clamp(max=len(EDGES) - 1)], (k > 0) & (k < len(EDGES))
+    last = len(EDGES) - 1
+    return edges[(k - 1).clamp(min=0, max=last)], edges[k.clamp(max=last)], (k > 0) & (k <= last)
 
 
-def _cdf(counts: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """(R, K) counts at or below ``at`` (R, K) per region, linear within a bin (an open bin's mass at its edge)."""
+def _cdf(counts: torch.Tensor, at: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+    """Counts at or below each point of ``at``, linear within a bin (an open bin's mass at its edge): of region
+    ``row`` (an index tensor that broadcasts against ``at``), or, without it, of each row of ``at`` (R, K)."""
     edges = _edges(counts.dtype, str(counts.device))
     below = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)], dim=1)  # (R, NUM_BINS + 1)
     k = torch.bucketize(at.contiguous(), edges, right=True)  # the bin of each point
     lo, hi, inner = _bounds(k, edges)
     share = torch.where(inner, ((at - lo) / (hi - lo)).clamp(0, 1), (k >= len(EDGES)).to(at.dtype))
-    return below.gather(1, k) + counts.gather(1, k) * share
+    row = torch.arange(counts.shape[0], device=counts.device).unsqueeze(1) if row is None else row
+    return below[row, k] + counts[row, k] * share
 
 
 def noise_of(counts: torch.Tensor) -> Noise:
@@ -127,8 +131,8 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     """:func:`noise_of` the run's histogram, its scale an upper bound: a reading narrower than the prior is shrunk
     towards it by weight, a wider one is taken as it is, ``b = max((n₀ b₀ + n b̂) / (n + n₀), b̂)`` with ``n`` tokens
     in the region. A region with few quiet tokens is judged at about the prior's scale, one whose tokens show wider
-    noise at that width from its first step; after a few thousand quiet tokens their own reading dominates. The centre has no prior (a top-p or top-k cut moves it by up to a few
-    nats): it is the region's median shrunk towards the median of every region's tokens, ``μ = (n μ̂ + n_c μ̂_all) /
+    noise at that width from its first step; after a few thousand quiet tokens their own reading dominates. The
+    centre has no prior (a top-p or top-k cut moves it by up to a few nats): it is the region's median shrunk towards the median of every region's tokens, ``μ = (n μ̂ + n_c μ̂_all) /
     (n + n_c)`` with ``n_c`` = :data:`CENTRE_TOKENS`, so that a region's few tokens never centre themselves (a single
     corrupted token would be its own median).
 
@@ -159,15 +163,8 @@ def tail_rarity(counts: torch.Tensor, noise: Noise, region: torch.Tensor, x: tor
     >>> [round(v, 2) for v in tail_rarity(counts, noise, torch.tensor([0, 0, 1]), torch.tensor([5.0, 10.0, 5.0])).tolist()]
     [6.91, inf, inf]
     """
-    edges = _edges(counts.dtype, str(counts.device))
-    centre = noise.centre.to(counts.dtype)
-    at = torch.cat([centre[region].unsqueeze(-1) - x.abs().to(counts.dtype).unsqueeze(-1),
-                    centre[region].unsqueeze(-1)], dim=-1)  # (B, T, 2): the depth and the centre
-    k = torch.bucketize(at.contiguous(), edges, right=True)
-    lo, hi, inner = _bounds(k, edges)
-    share = torch.where(inner, ((at - lo) / (hi - lo)).clamp(0, 1), (k >= len(EDGES)).to(at.dtype))
-    below = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)], dim=1)
-    row = region.unsqueeze(-1)
-    beyond = below[row, k] + counts[row, k] * share  # (B, T, 2): tokens at or below each point
+    centre = noise.centre.to(counts.dtype)[region].unsqueeze(-1)
+    at = torch.cat([centre - x.abs().to(counts.dtype).unsqueeze(-1), centre], dim=-1)  # (B, T, 2): depth, centre
+    beyond = _cdf(counts, at, region.unsqueeze(-1))  # (B, T, 2): tokens at or below each point
     rarity = torch.log(beyond[..., 1] / beyond[..., 0])
     return torch.where(beyond[..., 0] > 0, rarity, torch.full_like(rarity, math.inf)).to(x.dtype)

@@ -1,4 +1,4 @@
-"""The row score: how much more likely a row's per-token disagreements are if the engine is off than under healthy noise.
+"""The row score: how much likelier a row's per-token disagreements are if the engine is off than under healthy noise.
 
 Pure, vectorised tensor functions; the design and the evidence for each choice are in ``docs/detector.md``.
 
