@@ -8,8 +8,8 @@ goal: recall ≥ 99.9 % of corrupted rollouts at ≤ 0.1 % false quarantines of 
 with no extra forward pass (the guard only reads the logprobs TRL already has). PASS compares the point
 estimate; CI-PASS also needs the whole interval on the right side of the goal.
 
-    python benchmarks/fidelity.py --same-support          # today's GuardConfig defaults, into runs/fidelity/
-    python benchmarks/fidelity.py --preset v0.1 --out runs/fidelity-v0.1   # release 0.1's fixed thresholds
+    python benchmarks/fidelity.py --same-support          # GuardConfig's defaults, into runs/fidelity/
+    python benchmarks/fidelity.py --same-support --set false_alarm_budget=1e-4 --out runs/fidelity-1e-4
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import typer
@@ -34,12 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.fidelity_kit import noise, zoo  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import (Rollouts, cat, from_table, padded_column, read_tables,  # noqa: E402
     stitched)
-from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, replay  # noqa: E402
+from benchmarks.fidelity_kit.score import GOAL_FALSE_RATE, GOAL_RECALL, figures, firings, replay  # noqa: E402
 from rollout_guard.config import GuardConfig  # noqa: E402
-from rollout_guard.guard import RolloutGuard  # noqa: E402
 from rollout_guard.errors import GuardConfigError  # noqa: E402
-from rollout_guard.statistics import COLUMN  # noqa: E402
-from rollout_guard.verdict import judge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parquet")  # the 27 conditions
@@ -48,58 +44,25 @@ DEFAULT_DATA = str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parquet")  # 
 app = typer.Typer(add_completion=False)
 
 
+PRESETS = ("defaults",)
+
+
 def preset(name: str) -> GuardConfig:
-    """The guard configurations the benchmark knows. The circuit breaker is off: it is about stopping a run, not
-    about which samples are judged corrupt, and a stream with many faults would trip it."""
+    """The guard configuration a preset names: ``"defaults"``, :class:`GuardConfig`'s defaults (variants with
+    ``--set``). The circuit breaker is off: it is about stopping a run, not about which samples are judged corrupt,
+    and a stream with many faults would trip it."""
     if name == "defaults":
         return GuardConfig(max_quarantine_share=None)
-    if name == "v0.1":  # the fixed thresholds of release 0.1, chosen on the tiny copy model
-        return GuardConfig(max_quarantine_share=None, spike_delta=8.0, mean_delta=1.0, confident_wrong_tokens=2,
-                           spike_excess=None, drift_threshold=None, changepoint_budget=None)
-    if name == "detector-only":  # the direction-aware rules and NaN rules alone
-        return GuardConfig(max_quarantine_share=None, spike_delta=None, mean_delta=None, confident_wrong_tokens=None)
-    if name == "single-score":  # rollout_guard.detector.Detector with its defaults (SingleScore); no rule of these
-        return GuardConfig(max_quarantine_share=None, spike_delta=None, mean_delta=None, confident_wrong_tokens=None,
-                           nonfinite_engine_tokens=None, nonfinite_trainer_tokens=None, spike_excess=None,
-                           drift_threshold=None, changepoint_budget=None)
-    raise typer.BadParameter(f"--preset {name!r}: use 'defaults', 'v0.1', 'detector-only' or 'single-score'")
-
-
-class SingleScore:
-    """:class:`rollout_guard.detector.Detector` behind the part of ``RolloutGuard``'s interface the replay uses:
-    each step judged, then learned from its kept rows; a change of sampling setting starts the noise over."""
-
-    def __init__(self, device: str) -> None:
-        from rollout_guard.detector import Detector
-
-        self.detector = Detector(device=device)
-        self.sampling: tuple | None = None
-
-    def inspect(self, evidence, step: int, sampling=None) -> SimpleNamespace:
-        if sampling is not None:
-            if self.sampling is not None and tuple(sampling) != self.sampling:
-                self.detector.reset()
-            self.sampling = tuple(sampling)
-        judgement = self.detector.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask)
-        self.detector.update(judgement.kept_counts)
-        samples = torch.full((evidence.batch_size, len(COLUMN)), math.nan, dtype=torch.float64)
-        return SimpleNamespace(samples=samples, suspect=judgement.suspect.cpu(), drift_threshold=None,
-                               changepoint_threshold=None)
-
-    def state_dict(self) -> dict:
-        return {"detector": self.detector.state_dict(), "sampling": self.sampling}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.detector.load_state_dict(state["detector"])
-        self.sampling = state["sampling"]
+    raise typer.BadParameter(f"--preset {name!r}: use one of {', '.join(repr(p) for p in PRESETS)} (variants: --set "
+                             "FIELD=VALUE)")
 
 
 def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
     """``config`` with ``FIELD=VALUE`` overrides (``--set``; VALUE a Python literal: ``2.0``, ``None``, ``True``), checked
     by :class:`GuardConfig` itself, before any data is read.
 
-    >>> with_overrides(preset("defaults"), ["calibrated_drift_floor=2.0"]).calibrated_drift_floor
-    2.0
+    >>> with_overrides(preset("defaults"), ["false_alarm_budget=1e-4"]).false_alarm_budget
+    0.0001
     """
     known = {field.name for field in fields(GuardConfig)}
     changes = {}
@@ -108,7 +71,7 @@ def with_overrides(config: GuardConfig, overrides: list[str]) -> GuardConfig:
         name = name.strip()
         if not sep or name not in known:
             raise typer.BadParameter(f"--set {item!r}: use FIELD=VALUE with FIELD a GuardConfig field, e.g. "
-                                     "calibrated_drift_floor=2.0")
+                                     "false_alarm_budget=1e-4")
         try:
             changes[name] = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError):
@@ -131,12 +94,13 @@ Noise = Callable[[Rollouts], Rollouts]
 
 
 def conditions(table, seed: int, step_rows: int, same_support: bool = False, stitch: int = 1,
-               noise_shape: str = "surprise") -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
+               noise_shape: str = "softmax") -> list[tuple[str, Rollouts, dict[str, Rollouts], Noise, dict]]:
     """(name, clean base rollouts, real faulty rollouts by fault, noise applied on top, noise parameters) per noise
     condition. The noise goes on top of faulty rows too (after the fault): an engine that reads stale state still
     returns processed logprobs, and a run's numeric noise does not stop at a corrupted sample. ``same_support``:
     the trainer's logprobs renormalised over the engine's support (``noise.on_engine_support``) where it was cut by
-    top-k, as the TRL adapter's ``compare_on_engine_support`` does (top-p alone stays with the calibration).
+    top-k, as the TRL adapter's ``compare_on_engine_support`` does (top-p alone stays with the detector's
+    per-region centre).
     ``stitch``: rows that many times as long (:func:`~benchmarks.fidelity_kit.rollouts.stitched`): clean rows and
     real faults corrupted from their first token (context swaps, stale weights) end to end with their own kind, a
     real late-onset row last after ``stitch − 1`` clean rows of its setting; ``step_rows`` then counts the long
@@ -149,7 +113,7 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False, sti
 
     def load(part, name: str, top_k: int) -> Rollouts:
         rows = from_table(part, name)
-        if not (same_support and top_k > 0):  # as the TRL adapter: top-p alone is left to the calibration
+        if not (same_support and top_k > 0):  # as the TRL adapter: top-p alone is left to the detector's centre
             return rows
         raw, _ = padded_column(part, "engine_raw_logprobs")
         return noise.on_engine_support(rows, raw[:, : rows.mask.shape[1]], support_generator)
@@ -204,16 +168,6 @@ def conditions(table, seed: int, step_rows: int, same_support: bool = False, sti
     return out
 
 
-def _guard(config: GuardConfig, device: str, per_token_offset: bool, single_score: bool = False) -> RolloutGuard:
-    """The guard of one condition, told whether a top-k cut's offset stays in the trainer's logprobs
-    (``Calibration.per_token_offset``, as the TRL adapter sets it); ``single_score``: :class:`SingleScore`."""
-    if single_score:
-        return SingleScore(device)
-    guard = RolloutGuard(config, device=device)
-    guard.calibration.per_token_offset = per_token_offset
-    return guard
-
-
 def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator,
                      sources: dict[str, torch.Tensor] | None = None) -> dict[str, Rollouts]:
     """``count`` faulty rows per synthetic fault kind, each made from a clean row drawn at random; ``sources``, if
@@ -227,34 +181,36 @@ def synthetic_faults(clean: Rollouts, count: int, generator: torch.Generator,
     return pools
 
 
-def sweep(judged_all: list, config: GuardConfig, factors: torch.Tensor) -> dict[str, list[float]]:
-    """Recall per fault and clean false rate, pooled over conditions, with every nat threshold scaled by a factor
-    (``token_spike``, ``mean_drift`` and ``drift`` thresholds × f, the drift one each row's calibrated one; the
-    spike floor of ``directional_spike`` moved by (f − 1) × ``spike_excess``), re-judging the stored per-sample
-    statistics; the ``changepoint`` rule, whose threshold is no nats, at each row's own."""
+SWEPT_BUDGETS = tuple(10.0 ** (k / 4) for k in range(-32, -3))
+"""The false-alarm budgets α the sweep judges at, 10⁻⁸ to 10⁻¹ a quarter-decade apart (thresholds ln(1/α))."""
+
+
+def sweep(judged_all: list, config: GuardConfig,
+          budgets: tuple[float, ...] = SWEPT_BUDGETS) -> dict[str, list[float]]:
+    """Recall per fault and clean false rate, pooled over conditions, with the score's threshold at ``ln(1/α)`` for
+    each false-alarm budget α of ``budgets``, re-judging the stored per-sample statistics (:func:`firings`); the
+    non-finite and ``ceiling`` rules stay as configured. The guard's own state is the one each row was judged with:
+    a budget judged here does not change which rows the detector learned from."""
     samples = torch.cat([j.rows()[0] for j in judged_all])
-    drift = torch.cat([j.drift_thresholds() for j in judged_all])  # each row's calibrated drift threshold
-    changepoint = torch.cat([j.changepoint_thresholds() for j in judged_all])
     labels = [label for j in judged_all for label in j.rows()[2]]
     counted = torch.cat([j.rows()[3] for j in judged_all])
+    fixed = firings(samples, math.inf, config.ceiling_delta)
+    always = fixed["nonfinite_engine"] | fixed["nonfinite_trainer"] | fixed["ceiling"]
     curves: dict[str, list[float]] = {}
     names = sorted(set(labels))
-    label_rows = {name: torch.tensor([label == name for label in labels]) & counted for name in names}
-    margin = COLUMN["spike_margin"]
-    for factor in factors.tolist():
-        scaled = replace(config, spike_delta=config.spike_delta * factor if config.spike_delta else None,
-                         mean_delta=config.mean_delta * factor if config.mean_delta else None)
-        shifted = samples.clone()
-        if config.spike_excess is not None:
-            shifted[:, margin] -= (factor - 1.0) * config.spike_excess
-        suspect = judge(shifted, scaled, drift * factor, changepoint).suspect
+    label_rows = {name: torch.tensor([label == name for label in labels], dtype=torch.bool) & counted
+                  for name in names}
+    for budget in budgets:
+        suspect = always | firings(samples, math.log(1.0 / budget), None)["score"]
         for name in names:
             rows = label_rows[name]
             curves.setdefault(name, []).append(float((suspect & rows).sum()) / max(int(rows.sum()), 1))
     return curves
 
 
-def plot_sweep(curves: dict[str, list[float]], factors: torch.Tensor, path: Path, title: str) -> None:
+def plot_sweep(curves: dict[str, list[float]], budgets: tuple[float, ...], budget: float, path: Path,
+               title: str) -> None:
+    """The sweep's recall per fault against its clean false rate, the configured budget's point marked."""
     try:
         import matplotlib
     except ImportError:  # the curves are in sweep-<preset>.json; draw them where matplotlib is installed
@@ -270,10 +226,10 @@ def plot_sweep(curves: dict[str, list[float]], factors: torch.Tensor, path: Path
         if name == "clean":
             continue
         axis.plot(false_rate, recall, marker=".", label=name)
-    default = int((factors - 1.0).abs().argmin())
+    default = min(range(len(budgets)), key=lambda i: abs(math.log(budgets[i] / budget)))
     axis.axvline(GOAL_FALSE_RATE, color="grey", linestyle="--", linewidth=1)
     axis.axhline(GOAL_RECALL, color="grey", linestyle="--", linewidth=1)
-    axis.scatter([float(false_rate[default])] * 1, [0.0], marker="^", color="black", label="default thresholds (x)")
+    axis.scatter([float(false_rate[default])] * 1, [0.0], marker="^", color="black", label=f"false_alarm_budget {budget:g} (x)")
     axis.set_xscale("log")
     axis.set_xlabel("false quarantines per clean rollout (pooled; 1e-6 = none)")
     axis.set_ylabel("recall of corrupted rollouts")
@@ -311,7 +267,8 @@ def markdown(results: list[dict]) -> str:
 @app.command()
 def main(
     data: str = typer.Option(DEFAULT_DATA, help="glob of parquet files of clean (and model-generated faulty) rollouts"),
-    preset_name: str = typer.Option("defaults", "--preset", help="guard configuration to measure"),
+    preset_name: str = typer.Option("defaults", "--preset", help="guard configuration to measure: 'defaults' "
+                                     "(GuardConfig's defaults, the circuit breaker off; variants with --set)"),
     faults_per_condition: int = typer.Option(1000, help="rollouts per synthetic fault kind per condition (every "
                                              "published figure used 1000)"),
     step_rows: int = typer.Option(256, help="rollouts per training step (with --stitch N, of the data's rows: a "
@@ -325,24 +282,25 @@ def main(
     warmup_steps: int = typer.Option(20, help="steps of a setting (phase 1's, then resampled clean rows with "
                                      "fault_share of faults) before phase 2 judges that setting's other faults"),
     dense_phase2: bool = typer.Option(False, help="phase 2 moves the guard on with its whole steps (a quarter "
-                                      "faults: the calibration fed the missed ones at that density)"),
+                                      "faults: the detector learns from the missed ones at that density)"),
     mask_truncated: bool = typer.Option(False, help="as TRL's mask_truncated_completions=True: truncated rows' loss mask is zero"),
     same_support: bool = typer.Option(False, help="judge the trainer's logprobs renormalised over the engine's kept "
                                       "support, as the TRL adapter does with compare_on_engine_support (the engine's "
                                       "recorded log-mass stands in for the trainer's, plus an error: noise.on_engine_support)"),
     announce_sampling: bool = typer.Option(True, help="tell the guard each step's sampling setting, as the TRL adapter "
-                                           "does (a change restarts its calibration); off: the pooled streams change "
-                                           "setting unannounced, like a policy whose entropy jumps"),
-    noise_shape: str = typer.Option("surprise", help="the tail models' broad part, fitted to the same published "
-                                    "figures: 'surprise' (its spread grows with a token's surprise), 'flat' (the same "
-                                    "on every token) or 'softmax' (1 − p: quiet where the engine is sure)"),
+                                           "does (a change starts its healthy noise over); off: the pooled streams "
+                                           "change setting unannounced, like a policy whose entropy jumps"),
+    noise_shape: str = typer.Option("softmax", help="the tail models' broad part, fitted to the same published "
+                                    "figures: 'softmax' (1 − p: quiet where the engine is sure, flat where not; the "
+                                    "shape benchmarks/noise_shape.py measured on real engines), 'surprise' (its "
+                                    "spread grows with a token's surprise) or 'flat' (the same on every token)"),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="where the guard runs (cpu, cuda)"),
     out: Path = typer.Option(REPO / "runs" / "fidelity",
                              help="folder for results-<preset>.{json,md} and sweep-<preset>.{json,png} (default: "
                                   "runs/fidelity, ignored by git; the published runs are under benchmarks/)"),
     overrides: list[str] = typer.Option([], "--set", help="FIELD=VALUE: measure the preset with this GuardConfig field "
-                                        "changed (repeat for more), e.g. --set calibrated_drift_floor=2.0"),
+                                        "changed (repeat for more), e.g. --set false_alarm_budget=1e-4"),
 ) -> None:
     paths = sorted(glob.glob(data))
     if not paths:
@@ -359,13 +317,9 @@ def main(
                                                               noise_shape):
         faulty = {key: apply(rows) for key, rows in
                   {**synthetic_faults(clean, faults_per_condition, generator), **real_faults}.items()}
-        # as the TRL adapter: off the engine's support, a top-k cut leaves a per-token offset in the trainer's logprobs
-        per_token_offset = not same_support and params.get("top_k_cut", False)
         judged = replay(apply(clean), faulty, config, generator, step_rows=step_rows, fault_share=fault_share,
                         mask_truncated=mask_truncated, device=device, announce_sampling=announce_sampling,
-                        warmup_steps=warmup_steps, dense_phase2=dense_phase2,
-                        make_guard=functools.partial(_guard, device=device, per_token_offset=per_token_offset,
-                                                     single_score=preset_name == "single-score"))
+                        warmup_steps=warmup_steps, dense_phase2=dense_phase2)
         judged_all.append(judged)
         f = figures(judged, config)
         results.append({"condition": name, "params": params, "figures": f})
@@ -394,11 +348,12 @@ def main(
     (out / f"results-{preset_name}.md").write_text(
         f"# Fidelity: preset `{preset_name}`\n\nGoal: recall ≥ {100 * GOAL_RECALL:g} % at ≤ {100 * GOAL_FALSE_RATE:g} % "
         f"false quarantines. Recall cells in %, ✗ = below goal. Overall: {'PASS' if all_pass else 'FAIL'}.\n\n{table_md}\n")
-    factors = torch.logspace(-1, 1, 21)
-    curves = sweep(judged_all, config, factors)
-    (out / f"sweep-{preset_name}.json").write_text(json.dumps({"factors": factors.tolist(), "curves": curves}))
-    plot_sweep(curves, factors, out / f"sweep-{preset_name}.png",
-               f"preset {preset_name}: every nat threshold scaled ×0.1…×10 (pooled over conditions)")
+    curves = sweep(judged_all, config)
+    (out / f"sweep-{preset_name}.json").write_text(json.dumps(
+        {"false_alarm_budgets": list(SWEPT_BUDGETS), "thresholds": [math.log(1 / b) for b in SWEPT_BUDGETS],
+         "curves": curves}))
+    plot_sweep(curves, SWEPT_BUDGETS, config.false_alarm_budget, out / f"sweep-{preset_name}.png",
+               f"preset {preset_name}: score threshold ln(1/α), α = 1e-8…1e-1 (pooled over conditions)")
     print(table_md)
     print(f"overall: {'PASS' if all_pass else 'FAIL'} against recall ≥ {GOAL_RECALL:.1%} at ≤ {GOAL_FALSE_RATE:.1%} "
           f"false quarantines ({summary['seconds']} s)")

@@ -1,8 +1,8 @@
 """What the guard costs per step, next to what the step already costs.
 
-Times ``RolloutGuard.inspect`` (statistics, histogram, verdict, aggregates and its one device→host copy) on
-random B×T logprobs with a few corrupted rows, median of repeated runs after warm-up, and the extra device
-memory it allocates. For scale, it also times one no-grad forward pass of a Llama-style model over the same
+Times ``RolloutGuard.inspect`` with :class:`GuardConfig`'s defaults (the detector's judgement and update,
+statistics, histogram, verdict, aggregates and its one device→host copy) on random B×T logprobs with a few
+corrupted rows, median of repeated runs after warm-up, and the extra device memory it allocates. For scale, it also times one no-grad forward pass of a Llama-style model over the same
 B×T tokens: the work the trainer does anyway to get its logprobs (TRL's importance-sampling pass).
 
     python benchmarks/guard_overhead.py                        # CPU, small sizes

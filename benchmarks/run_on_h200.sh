@@ -15,8 +15,8 @@ PART=${PART:-all}  # "bench": the one-GPU benchmarks only; "runs": the GRPO runs
 # one GPU (deepspeed and its deps on PYTHONPATH: results-2026-12-02-seventeenth/README.md says how they travelled)
 if [ "$PART" = fidelity ]; then
   # benchmarks/fidelity.py --device cuda --same-support for each of RUNS ("name|seconds|options;..."), JOBS at a time,
-  # each with nproc / JOBS CPU threads (four side by side taking all 16 cores each finished none in 530 s: thirty-second
-  # session); every results JSON as <name>.json and the logs in one archive ($OUT brings back 8 files at most).
+  # each with nproc / JOBS CPU threads (four side by side taking all 16 cores each finished none in 530 s); every
+  # results JSON as <name>.json and the logs in one archive ($OUT brings back 8 files at most).
   # typer, click and shellingham travel in the ignored .whl/ folder (typer imports rich only if it is there).
   mkdir -p /tmp/runs /tmp/py /tmp/results
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/py .whl/*.whl > /dev/null 2>&1

@@ -36,7 +36,7 @@ from rollout_guard.patterns import Pattern, abs_delta, classify_pattern
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.sinks import LocalFilesSink
 from rollout_guard.statistics import SAMPLE_COLUMNS
-from rollout_guard.verdict import rule_names
+from rollout_guard.verdict import explain, rule_names
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -407,10 +407,11 @@ def audit(model: str, prompts: list[list[int]] | None = None, prompt_file: Path 
     records = []
     for row in torch.nonzero(report.suspect).flatten().tolist():
         completion = completions[row]
+        rules = rule_names(int(report.reasons[row]))
+        stats = dict(zip(SAMPLE_COLUMNS, report.samples[row].tolist(), strict=True))
         records.append(QuarantineRecord(
             step=0, process_index=0, row=row, global_row=row, group_size=samples_per_prompt, action="monitored",
-            rules=rule_names(int(report.reasons[row])),
-            stats=dict(zip(SAMPLE_COLUMNS, report.samples[row].tolist(), strict=True)),
+            rules=rules, stats=stats, explanation=explain(stats, rules, report.threshold),
             prompt_ids=list(all_rows[row]), completion_ids=completion, prompt_text=tokenizer.decode(all_rows[row]),
             completion_text=tokenizer.decode(completion), completion_tokens=[tokenizer.decode([t]) for t in completion],
             engine_logprobs=engine_logprobs[row], trainer_logprobs=trainer_logprobs[row],

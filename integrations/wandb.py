@@ -32,8 +32,8 @@ logger = logging.getLogger("rollout_guard")
 
 PREFIX = "rollout_guard/"
 TABLE_COLUMNS = [
-    "step", "rollout", "action", "rules", "prompt", "completion", "reward", "max_abs_delta", "mean_abs_delta",
-    "first_divergent_token", "first_divergent_text", "engine_mean_logprob", "trainer_mean_logprob", "injected",
+    "step", "rollout", "action", "why", "rules", "score", "prompt", "completion", "reward", "max_abs_delta",
+    "mean_abs_delta", "onset_token", "onset_text", "engine_mean_logprob", "trainer_mean_logprob", "injected",
 ]
 
 
@@ -44,10 +44,11 @@ def log10_bin_edges() -> np.ndarray:
 
 
 def table_row(record: QuarantineRecord) -> list[Any]:
-    first = record.stats.get("first_divergent_token")
+    first = record.stats.get("onset_token")
     first = int(first) if first is not None and first >= 0 else None
     return [
-        record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text,
+        record.step, record.global_row, record.action, record.explanation, ", ".join(record.rules),
+        record.stats.get("score"), record.prompt_text,
         record.completion_text if record.full_evidence else "(statistics only: beyond evidence_samples_per_step)",
         record.reward, record.stats.get("max_abs_delta"), record.stats.get("mean_abs_delta"), first,
         record.completion_tokens[first] if first is not None and first < len(record.completion_tokens) else None,
@@ -117,13 +118,13 @@ class WandbSink:
     def _images(self, report: StepReport, guard: RolloutGuard, records: list[QuarantineRecord]) -> dict[str, Any]:
         self._last_image_step = report.step
         images = {}
-        chart = spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta,
+        chart = spike_chart(guard.totals.history, self.config.ceiling_delta,
                             self.image_dir / f"spikes_step{report.step:07d}.png",
-                            title=f"Engine vs trainer |Δ| up to step {report.step}")
+                            title=f"rollout_guard up to step {report.step}")
         images[f"{PREFIX}spike_chart"] = self.wandb.Image(str(chart), caption=f"up to step {report.step}")
         full = [record for record in records if record.full_evidence]
         if full:
-            worst = max(full, key=lambda record: record.stats.get("max_abs_delta") or 0.0)
+            worst = max(full, key=lambda record: record.stats.get("score") or -math.inf)
             path = token_chart(worst, self.image_dir / f"worst_step{report.step:07d}_row{worst.global_row}.png")
             images[f"{PREFIX}worst_sample"] = self.wandb.Image(
                 str(path), caption=f"step {worst.step}, rollout {worst.global_row}: {worst.completion_text[:80]!r}"
@@ -134,9 +135,8 @@ class WandbSink:
         run = self.run
         if run is None or not guard.totals.history:
             return
-        chart = spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta,
-                            self.image_dir / "spikes_final.png",
-                            title="Engine vs trainer |Δ|, whole run")
+        chart = spike_chart(guard.totals.history, self.config.ceiling_delta, self.image_dir / "spikes_final.png",
+                            title="rollout_guard, whole run")
         run.log({f"{PREFIX}spike_chart": self.wandb.Image(str(chart), caption="whole run"),
                  "train/global_step": guard.totals.history[-1]["step"]})
         for key, value in guard.summary().items():

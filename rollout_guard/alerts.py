@@ -15,7 +15,7 @@ from rollout_guard.config import GuardConfig
 
 @dataclass(frozen=True)
 class Alert:
-    kind: str  # "quarantine_rate" | "max_abs_delta" | "circuit_breaker" | "advantage_replica"
+    kind: str  # "quarantine_rate" | "max_abs_delta" | "noise_growth" | "circuit_breaker" | "advantage_replica"
     level: str  # "WARN" | "ERROR"
     step: int
     value: float
@@ -59,7 +59,7 @@ class AlertMonitor:
         max_delta = metrics.get("max_abs_delta", math.nan)
         if math.isfinite(max_delta) and max_delta > 0:
             baseline = math.exp(self.log_delta_baseline) if self.log_delta_baseline is not None else None
-            threshold = config.spike_delta if config.spike_delta is not None else config.mean_delta or 0.0
+            threshold = config.ceiling_delta if config.ceiling_delta is not None else 0.0
             if (
                 max_delta > threshold
                 and (baseline is None or max_delta > config.alert_jump * baseline)
@@ -82,6 +82,25 @@ class AlertMonitor:
             self.last_alert_step[alert.kind] = step
         self.sent += len(alerts)
         return alerts
+
+    def noise_growth(self, step: int, metrics: dict[str, float], limit: float) -> Alert | None:
+        """A warning when some confidence region's healthy-noise scale (``noise/growth_r*`` in ``metrics``) has grown
+        past ``limit`` times its early level: a fault that grows over the run would otherwise be learned as healthy
+        noise (``docs/detector.md``). Throttled like the others."""
+        growth = {key: value for key, value in metrics.items() if key.startswith("noise/growth_r")
+                  and math.isfinite(value) and value > limit}
+        if not growth or not self._cooled_down("noise_growth", step):
+            return None
+        key, value = max(growth.items(), key=lambda item: item[1])
+        region = key.removeprefix("noise/growth_r")
+        scale = metrics.get(f"noise/scale_r{region}", math.nan)
+        self.last_alert_step["noise_growth"] = step
+        self.sent += 1
+        return Alert("noise_growth", "WARN", step, value, limit,
+                     f"rollout_guard: healthy noise grew {value:.1f}x at step {step}",
+                     f"The run's engine-vs-trainer noise in confidence region {region} is {scale:.3g} nats, {value:.1f} "
+                     f"times its level early in the run (alert above {limit:g}x). A fixed stack does not drift like "
+                     "this: check for a weight sync that skips a layer or an engine degrading as its cache fills.")
 
     def circuit_breaker(self, step: int, share: float, ceiling: float, title: str, text: str,
                         throttle: bool) -> Alert | None:

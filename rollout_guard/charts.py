@@ -28,50 +28,62 @@ def _finite(values: Sequence[float]) -> list[float]:
     return [value if value is not None and math.isfinite(value) and value > 0 else math.nan for value in values]
 
 
-def spike_chart(history: Sequence[dict], spike_delta: float | None, mean_delta: float | None, path: str | Path,
-                title: str = "") -> Path:
-    """x: training step; y: max and p99 token |engine − trainer| logprob per step (log scale); threshold line;
-    steps with suspect samples (quarantined, unless in monitor mode) circled in red with their count."""
+SCORE_FLOOR = -10.0  # ln Λ: scores below are drawn at the floor (a row healthy noise explains better)
+
+
+def spike_chart(history: Sequence[dict], ceiling_delta: float | None, path: str | Path, title: str = "") -> Path:
+    """Two panels over the training step. Top: the detector's score (ln Λ) per step, the highest of all rollouts
+    and of those kept in the loss, against the threshold it was judged with; steps with suspect rollouts circled
+    in red with their count. Bottom: max and p99 token |engine − trainer| logprob per step (log scale), the max of
+    the kept rollouts, and the absolute ceiling."""
     steps = [row["step"] for row in history]
-    figure, axis = plt.subplots(figsize=(12, 4.6), dpi=110, layout="constrained")
-    axis.plot(steps, _finite([row["max_abs_delta"] for row in history]), color="#1f77b4", marker=".", lw=1.2,
-              label="max |Δ| per step")
-    axis.plot(steps, _finite([row["p99_abs_delta"] for row in history]), color="#7f7f7f", lw=0.9, ls="--",
-              label="p99 |Δ| per step")
-    axis.plot(steps, _finite([row.get("kept_max_abs_delta", math.nan) for row in history]), color="#2ca02c", lw=1.0,
-              marker=".", ms=3, label="max |Δ| of samples kept in the loss")
-    if spike_delta is not None:
-        axis.axhline(spike_delta, color="#d62728", lw=1, ls=":", label=f"token_spike threshold ({spike_delta:g} nats)")
-    if mean_delta is not None:
-        axis.axhline(mean_delta, color="#ff7f0e", lw=1, ls=":",
-                     label=f"mean_drift threshold ({mean_delta:g} nats/token)")
+    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(12, 6.4), dpi=110, layout="constrained",
+                                         height_ratios=(3, 2))
+
+    def floored(key: str) -> list[float]:
+        values = [row.get(key, math.nan) for row in history]
+        return [max(v, SCORE_FLOOR) if v is not None and math.isfinite(v) else math.nan for v in values]
+
+    top.plot(steps, floored("max_score"), color="#1f77b4", marker=".", lw=1.2, label="max score per step")
+    top.plot(steps, floored("kept_max_score"), color="#2ca02c", marker=".", ms=3, lw=1.0,
+             label="max score of rollouts kept in the loss")
+    top.plot(steps, [row.get("score_threshold", math.nan) for row in history], color="#d62728", lw=1.2, ls=":",
+             label="threshold (ln 1/false_alarm_budget)")
     flagged = [row for row in history if row.get("quarantined", 0) or row.get("suspect", 0)]
     if flagged:
-        ys = [row["max_abs_delta"] if row["max_abs_delta"] and math.isfinite(row["max_abs_delta"]) else 1.0
-              for row in flagged]
-        axis.scatter([row["step"] for row in flagged], ys, s=70, facecolors="none", edgecolors="#d62728",
-                     linewidths=1.6,
-                     zorder=5, label="step with suspect samples (count)")
+        ys = [row["max_score"] if math.isfinite(row.get("max_score", math.nan)) else 0.0 for row in flagged]
+        top.scatter([row["step"] for row in flagged], ys, s=70, facecolors="none", edgecolors="#d62728",
+                    linewidths=1.6, zorder=5, label="step with suspect rollouts (count)")
         for row, y in zip(flagged, ys, strict=True):
             count = int(row.get("suspect", 0) or row.get("quarantined", 0))
-            axis.annotate(str(count), (row["step"], y), textcoords="offset points", xytext=(0, 8), ha="center",
-                          fontsize=8, color="#d62728")
-    axis.set_yscale("log")
-    axis.set_xlabel("training step")
-    axis.set_ylabel("|logprob engine − trainer| (nats)")
-    axis.set_title(title or "Engine vs trainer logprob difference per step")
-    axis.grid(True, which="major", alpha=0.3)
-    axis.margins(y=0.15)
+            top.annotate(str(count), (row["step"], y), textcoords="offset points", xytext=(0, 8), ha="center",
+                         fontsize=8, color="#d62728")
+    top.set_ylabel("score ln Λ (engine off vs healthy noise)")
+    top.set_title(title or "rollout_guard: score per step against its threshold")
+    top.grid(True, alpha=0.3)
+    top.margins(y=0.15)
+    bottom.plot(steps, _finite([row["max_abs_delta"] for row in history]), color="#1f77b4", marker=".", lw=1.2,
+                label="max |Δ| per step")
+    bottom.plot(steps, _finite([row["p99_abs_delta"] for row in history]), color="#7f7f7f", lw=0.9, ls="--",
+                label="p99 |Δ| per step")
+    bottom.plot(steps, _finite([row.get("kept_max_abs_delta", math.nan) for row in history]), color="#2ca02c",
+                lw=1.0, marker=".", ms=3, label="max |Δ| of rollouts kept in the loss")
+    if ceiling_delta is not None:
+        bottom.axhline(ceiling_delta, color="#d62728", lw=1, ls=":", label=f"absolute ceiling ({ceiling_delta:g} nats)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("training step")
+    bottom.set_ylabel("|logprob engine − trainer| (nats)")
+    bottom.grid(True, which="major", alpha=0.3)
     figure.legend(loc="outside right upper", fontsize=8, frameon=False)
     return _save(figure, path)
 
 
 def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: ANN001 - a QuarantineRecord
-    """One suspect sample token by token: engine and trainer logprob of each completion token, the decoded
-    tokens on the x axis, the first divergent token marked. Long completions show ``window`` tokens starting a
-    little before the first divergent one (drawing hundreds of tick labels costs seconds)."""
+    """One suspect rollout token by token: engine and trainer logprob of each completion token, the decoded
+    tokens on the x axis, the token where the disagreement starts marked. Long completions show ``window`` tokens
+    starting a little before it (drawing hundreds of tick labels costs seconds)."""
     tokens = record.completion_tokens or [str(token) for token in record.completion_ids]
-    first = record.stats.get("first_divergent_token")
+    first = record.stats.get("onset_token")
     first = int(first) if first is not None else -1
     start = min(max(first - 8, 0), max(len(tokens) - window, 0))
     stop = min(start + window, len(tokens))
@@ -85,7 +97,7 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
     axis.plot(positions, trainer, color="#d62728", marker="s", ms=4, lw=1.2, label="trainer logprob, same prompt")
     axis.fill_between(positions, engine, trainer, color="#d62728", alpha=0.08)
     if start <= first < stop:
-        axis.axvline(first, color="#ff7f0e", ls="--", lw=1.2, label=f"first divergent token (#{first})")
+        axis.axvline(first, color="#ff7f0e", ls="--", lw=1.2, label=f"where the disagreement starts (#{first})")
     axis.set_xticks(positions)
     axis.set_xticklabels([repr(token)[1:-1] for token in tokens], rotation=90 if len(tokens) > 20 else 0, fontsize=8)
     axis.set_ylabel("logprob of the sampled token (nats)")
@@ -97,7 +109,8 @@ def token_chart(record, path: str | Path, window: int = 64) -> Path:  # noqa: AN
     axis.set_title(
         f"step {record.step}, rollout {record.global_row}: max |Δ| {max_delta:.3g} nats, "
         f"rules: {', '.join(record.rules)}\n"
-        f"prompt: {prompt!r}",
+        + (f"{record.explanation}\n" if record.explanation else "")
+        + f"prompt: {prompt!r}",
         fontsize=9,
     )
     axis.grid(True, alpha=0.3)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -138,17 +139,16 @@ def audit(
     dtypes = dtype if trainer_dtype in (None, dtype) else f"vLLM {dtype}, transformers {trainer_dtype}"
     table = Table(title=f"rollout-guard audit: {model} ({dtypes})", show_header=False)
     for key in ("samples", "tokens", "max_abs_delta", "mean_abs_delta", "p99_abs_delta", "kl_k3", "engine_mean_logprob",
-                "trainer_mean_logprob", "confident_wrong_tokens", "nonfinite_engine_tokens", "suspect", "caught",
+                "trainer_mean_logprob", "max_score", "nonfinite_engine_tokens", "suspect", "caught",
                 "missed", "false_alarms"):
         if key in metrics:
             table.add_row(key, format_value(metrics[key]))
     table.add_row("seconds (load / generate / score)", " / ".join(f"{v:.1f}" for v in result.seconds.values()))
     console.print(table)
-    worst = sorted(result.records, key=lambda r: -(r.stats.get("max_abs_delta") or 0))
+    worst = sorted(result.records, key=lambda r: -(r.stats.get("score") or -math.inf))
     for record in worst[:show]:
         console.print(f"suspect sample {record.row} (round {record.extra.get('round', 0)}; {', '.join(record.rules)}; "
-                      f"max |Δ| {format_value(record.stats['max_abs_delta'])}, first divergent token "
-                      f"{format_value(record.stats.get('first_divergent_token'))}): "
+                      f"max |Δ| {format_value(record.stats['max_abs_delta'])}): {record.explanation}. "
                       f"{record.prompt_text!r} -> {record.completion_text[:60]!r}", highlight=False, soft_wrap=True)
     if len(worst) > show:
         console.print(f"... and {len(worst) - show} more suspect samples"

@@ -1,14 +1,13 @@
-"""The stateful guard: per step, evidence → statistics → (one gather) → verdict → report; running totals.
+"""The stateful guard: per step, update (evidence → detector → packet) → sync (one gather) → compute (verdict, metrics,
+the detector's state); running totals.
 
 Like a torchmetrics metric, this object holds state and syncs it across processes; the math lives in pure
 functions. Each :meth:`RolloutGuard.inspect` makes exactly one collective call (``gather``, the same on every
 rank, whatever happens) and one device→host copy, so every rank reaches the same verdict on the same global
 batch, logs the same numbers and takes the same decisions, failures included: a rank that cannot build its
-statistics still joins the gather, flagging its failure, and every rank then skips (or raises) together.
-
-The host work that does not need this step's results runs while the device computes the step's packet: the
-calibration update of the step before (held a step once the calibration is past its first steps,
-:meth:`rollout_guard.calibration.Calibration.defer`), the thresholds read from it and the next kernel table.
+packet still joins the gather, flagging its failure, and every rank then skips (or raises) together. The
+detector's state grows by the kept rows of the whole global batch, summed on the device from the gathered packets,
+so it stays the same on every rank.
 """
 
 from __future__ import annotations
@@ -24,17 +23,15 @@ import torch
 
 from rollout_guard.alerts import Alert, AlertMonitor  # noqa: F401 - Alert is part of StepReport
 from rollout_guard.config import GuardConfig
+from rollout_guard.detector import GROWTH_ALERT, Detector
+from rollout_guard.detector.noise import NUM_BINS
+from rollout_guard.detector.score import NUM_REGIONS
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
-from rollout_guard import fused_statistics
-from rollout_guard.calibration import Calibration
-from rollout_guard.changepoint import changepoint_score
-from rollout_guard.packet import (PacketLayout, combine_aggregates, empty_packet, reanchor, reference_packet,
-    step_metrics)
-from rollout_guard.statistics import (
-    CALIBRATION_WIDTH, COLUMN, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, SAMPLE_COLUMNS, batch_thresholds,
-)
-from rollout_guard.verdict import RULE_BIT, RULES, fired_rules
+from rollout_guard.packet import (PacketLayout, aggregate_rows, combine_aggregates, empty_packet, packet_dtype,
+                                  step_metrics)
+from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, summarise
+from rollout_guard.verdict import RULES, fired_rules
 
 logger = logging.getLogger("rollout_guard")
 
@@ -65,8 +62,7 @@ class StepReport:
     # the circuit breaker's reason to stop (quarantine mode, on_ceiling "stop"/"raise")
     stop_training: str | None = None
     check_flags: list[int] = field(default_factory=list)  # per rank, the caller's check flags (see inspect); 0: none
-    drift_threshold: float | None = None  # nats: the drift threshold this step was judged with (calibrated)
-    changepoint_threshold: float | None = None  # ln Λ: the changepoint rule's this step (None: it did not judge)
+    threshold: float = math.nan  # ln Λ: the score's threshold this step was judged with
     # this process's engine context of the step's rollouts (an object with ``rows`` and ``injected``), set by an
     # integration that collects it (the TRL adapter with vLLM) before the report goes to the sinks, which may run on
     # the background writer after the next step's context exists
@@ -135,7 +131,8 @@ class RolloutGuard:
         gather: concatenates a tensor along dim 0 across processes, in rank order (``accelerator.gather``);
             identity for one process. Called exactly once per :meth:`inspect`, on every rank.
         process_index: this process's rank.
-        device: where the gathered tensors live (the collective's device, e.g. ``accelerator.device``).
+        device: where the gathered tensors and the detector's state live (the collective's device, e.g.
+            ``accelerator.device``).
     """
 
     def __init__(self, config: GuardConfig | None = None, gather: Gather | None = None, process_index: int = 0,
@@ -146,168 +143,102 @@ class RolloutGuard:
         self.device = torch.device(device)
         self.totals = GuardTotals()
         self.alerts = AlertMonitor(self.config)
-        self.calibration = Calibration(self.config)
-        self.sampling: tuple | None = None  # the sampling settings the calibration was learned under
-        self.calibration_resets = 0
+        self.detector = Detector(self.config.false_alarm_budget, self.config.ceiling_delta, self.device)
+        self.sampling: tuple | None = None  # the sampling settings the detector's noise was learned under
+        self.noise_resets = 0
         self.last_guard_seconds = 0.0
-        self._kernel_parameters: tuple | None = None  # (thresholds, drift and changepoint thresholds, their kernel table)
-        self._judged_drift: float | None = None  # nats: the drift threshold of the last packet built
-        self._judged_changepoint: float | None = None  # ln Λ: the changepoint threshold of the last packet built
-        self._judged_with: tuple | None = None  # the centres and centred flags it was built with (Calibration)
-        self._metrics_cache: tuple | None = None  # (thresholds, drift and changepoint thresholds, resets, metrics)
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
                 check_failed: torch.Tensor | bool | int = False,
                 sampling: Sequence[object] | None = None) -> StepReport:
-        """Judge one batch. ``evidence`` may instead be the exception raised while collecting it on this rank;
-        ``batch_size`` (rows on this rank) lets a failing rank still join the collective with the right shape.
-        ``check_failed``: this rank's verdict on checks of the caller's own (a bool, a bitmask of flags below 2^24,
-        or a 0-dim device tensor so that it costs no host sync), carried in the one gather, also in a step the guard
-        could not judge: ``report.check_flags`` holds every rank's, the same on every rank, so that all of them act
-        on it together (``report.check_failed_on``, ``report.flagged_on(flag)``). ``sampling``: the settings these
-        rollouts were sampled with (e.g. temperature, top_p, top_k; the same on every rank); when they differ from
-        the previous step's, the calibrated centres start over (:meth:`recalibrate`): the processed logprobs' offset
-        depends on them. A guard that has been told them also judges with its own drift threshold and the lower
-        ``calibrated_spike_floor`` (:attr:`Calibration.announced`: an unannounced change would fire them on healthy
-        rows). ``None``: unknown, the calibration carries on."""
+        """Judge one batch: :meth:`update` → :meth:`sync` → :meth:`compute`.
+
+        ``evidence`` may instead be the exception raised while collecting it on this rank; ``batch_size`` (rows on
+        this rank) lets a failing rank still join the collective with the right shape. ``check_failed``: this
+        rank's verdict on checks of the caller's own (a bool, a bitmask of flags below 2^24, or a 0-dim device
+        tensor so that it costs no host sync), carried in the one gather, also in a step the guard could not judge:
+        ``report.check_flags`` holds every rank's, the same on every rank, so that all of them act on it together
+        (``report.check_failed_on``, ``report.flagged_on(flag)``). ``sampling``: the settings these rollouts were
+        sampled with (e.g. temperature, top_p, top_k; the same on every rank); when they differ from the previous
+        step's, the detector's noise starts over (:meth:`reset_noise`): the processed logprobs' offset depends on
+        them. ``None``: unknown, the noise carries on."""
         started = time.perf_counter()
         if sampling is not None:
             settings = tuple(sampling)
             if self.sampling is not None and settings != self.sampling:
-                self.recalibrate()
+                self.reset_noise()
             self.sampling = settings
-            self.calibration.announced = True
+        packet, batch, error = self.update(evidence, batch_size)
+        if isinstance(check_failed, torch.Tensor):  # a device flag: copied on the device, no host sync
+            packet[1:2] = check_failed.to(device=packet.device, dtype=packet.dtype).reshape(1)
+        elif check_failed:
+            packet[1:2] = float(check_failed)
+        # this rank's verdicts as a device mask, taken before the gather's wait (no host→device copy after it)
+        local = packet[PacketLayout(batch).reasons] != 0 if self.config.quarantines else None
+        gathered = self.sync(packet)
+        try:
+            return self.compute(step, batch, gathered, error, started, local)
+        except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
+            return self._failed_step(step, batch, gathered[:, :2].cpu(), caught, started)
+
+    def update(self, evidence: RolloutEvidence | BaseException,
+               batch_size: int | None = None) -> tuple[torch.Tensor, int, BaseException | None]:
+        """This process's packet (:mod:`rollout_guard.packet`) on the guard's device, its rows and the error that
+        stopped it (then an empty packet flagging the failure, when ``batch_size`` says its shape; without it the
+        error is raised). No host sync, no collective."""
         error: BaseException | None = evidence if isinstance(evidence, BaseException) else None
-        packet: torch.Tensor | None = None
         if error is None:
             try:
                 evidence = evidence.validated()
                 if batch_size is not None and evidence.batch_size != batch_size:
                     raise GuardInputError("mask", f"{evidence.batch_size} rows, expected {batch_size} on every process",
                                           "give every process a batch of the same size")
-                packet = self._packet(evidence)
-                batch = evidence.batch_size
-            except Exception as caught:  # noqa: BLE001 - must still join the collective below
+                return self._packet(evidence).to(self.device), evidence.batch_size, None
+            except Exception as caught:  # noqa: BLE001 - must still join the collective
                 error = caught
-        try:  # on every rank, whatever happened above, so that every rank holds the same calibration
-            self._settle_calibration()
-        except Exception as caught:  # noqa: BLE001 - deterministic on gathered data: every rank lands here
-            error = error if error is not None else caught
-        if error is not None:
-            if batch_size is None:
-                raise error
-            status = STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE
-            packet, batch = empty_packet(batch_size, status, self.device), batch_size
-        if isinstance(check_failed, torch.Tensor):  # a device flag: copied on the device, no host sync
-            packet[1:2] = check_failed.to(device=packet.device, dtype=packet.dtype).reshape(1)
-        elif check_failed:
-            packet[1:2] = float(check_failed)
-        sent = packet.to(self.device)
-        # this rank's verdicts as a device mask, launched before the gather's wait (no host→device copy after it)
-        local = sent[PacketLayout(batch).reasons] != 0 if self.config.quarantines else None
-        gathered = self.gather(sent).view(-1, packet.numel())  # the one collective
-        try:
-            return self._judge(step, batch, gathered, error, started, local)
-        except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
-            return self._failed_step(step, batch, gathered[:, :2].cpu(), caught, started)
+        if batch_size is None:
+            raise error
+        status = STATUS_INPUT_ERROR if isinstance(error, GuardInputError) else STATUS_FAILURE
+        return empty_packet(batch_size, status, self.device), batch_size, error
 
-    def recalibrate(self) -> None:
-        """Start the calibration over (:meth:`Calibration.restart`): centre 0, the warm-up allowance and the
-        uncalibrated spike thresholds (never below the ones in use before; for tokens no side found likely, the
-        reading from all such tokens kept, at least ``spike_excess``) until each bucket is calibrated again from new
-        kept tokens alone. Called by :meth:`inspect` when the sampling settings change; call it yourself
-        when the offset between engine and trainer changes in a way the guard cannot see (another engine version,
-        a new dtype)."""
-        self.calibration.restart()
-        self.calibration_resets += 1
+    def sync(self, packet: torch.Tensor) -> torch.Tensor:
+        """Every process's packet, (ranks, packet size), in rank order: the step's one collective."""
+        return self.gather(packet).view(-1, packet.numel())
+
+    def reset_noise(self) -> None:
+        """Forget the run's healthy noise (the detector starts over from its prior). Called by :meth:`inspect`
+        when the sampling settings change; call it yourself when the offset between engine and trainer changes in a
+        way the guard cannot see (another engine version, a new dtype)."""
+        self.detector.reset()
+        self.noise_resets += 1
 
     def _packet(self, evidence: RolloutEvidence) -> torch.Tensor:
-        """This process's packet (:mod:`rollout_guard.packet`): the fused kernel where it applies, else the
-        pure-torch reference. Buckets whose centre the calibration does not know yet are judged around the batch's
-        own (:func:`batch_thresholds`), and so are those whose batch median moved away from it when the guard is not
-        told the sampling settings (:meth:`Calibration.follow`); the packet's calibration sums are then moved back
-        to the calibration's centres. Buckets not calibrated yet take their spike threshold from the batch too,
-        where that is lower than the uncalibrated one (:func:`rollout_guard.statistics.batch_spike_thresholds`)."""
-        own = self.calibration.uncentred_on(evidence.device, evidence.batch_size)  # None: every centre is set
-        follow = self.calibration.follow()  # None when told the sampling settings
-        spiky = self.calibration.uncalibrated_on(evidence.device, evidence.batch_size)  # None: all calibrated
-        batch_centres = own is not None or follow is not None or spiky is not None
-        fused = (self.config.fused_statistics and evidence.device.type == "cuda" and evidence.mask.shape[-1] > 0
-                 and fused_statistics.available())
-        # the threshold tensors on the device: for the reference path, or to replace the batch's centres in; the
-        # fused path otherwise reads its cached parameter table only
-        thresholds = self.calibration.thresholds(evidence.device) if batch_centres or not fused else None
-        shift = own_noise = None
-        if batch_centres:
-            thresholds, shift, spread = batch_thresholds(evidence, self.config, thresholds, own, follow, spiky,
-                                                         self.calibration.spike_floor())
-            own_noise = None if own is None else (thresholds.centre, spread)
-        self._judged_drift = self.calibration.drift_threshold_value()
-        self._judged_with = self.calibration.judged_with()
-        score = self._changepoint_score(evidence, fused, own_noise)
-        if fused:
-            table = self._kernel_table(evidence.device)
-            table = table if shift is None else fused_statistics.with_centres(table, thresholds)
-            packet = fused_statistics.fused_packet(evidence, self.config, table, changepoint=score)
-        else:
-            packet = reference_packet(evidence, self.config, thresholds, self._judged_drift,
-                                      self.calibration.row_scaling(evidence.device), score, self._judged_changepoint)
-        return packet if shift is None else reanchor(packet, PacketLayout(evidence.batch_size), shift)
+        """Judge the rows and pack everything this process contributes, on the evidence's device."""
+        detector = self.detector
+        if detector.device != evidence.device:  # the state follows the evidence
+            detector.to(evidence.device)
+        judgement = detector.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask)
+        samples, histogram = summarise(evidence, judgement)
+        dtype = packet_dtype(evidence.device)
+        head = torch.tensor([STATUS_OK, 0.0], dtype=dtype).to(evidence.device)
+        noise = torch.cat([judgement.noise.centre, judgement.noise.scale, detector.grown()])
+        return torch.cat([head, samples.flatten().to(dtype), judgement.reasons.to(dtype), histogram.to(dtype),
+                          judgement.kept_counts.flatten().to(dtype), noise.to(dtype),
+                          aggregate_rows(samples, judgement.reasons)])
 
-    def _changepoint_score(self, evidence: RolloutEvidence, fused: bool,
-                           own_noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """(B,) each row's change-point score on the evidence's device (no host sync), when the ``changepoint``
-        rule judges this step (:meth:`Calibration.changepoint_threshold_value`) and both sides' logprobs are
-        there; sets the threshold it is judged with (``None``: not judged). ``fused``: the score's Triton kernel
-        (where the packet's runs), else its torch form. ``own_noise``: (K,) centre and spread from the batch
-        (:func:`batch_thresholds`), read for the buckets whose spread there is > 0 — those whose centre the
-        calibration does not know yet, as in a setting's first step."""
-        threshold = self.calibration.changepoint_threshold_value()
-        if threshold is None or not (evidence.has_engine and evidence.has_trainer):
-            self._judged_changepoint = None
-            return None
-        self._judged_changepoint = threshold
-        centre, spread = self.calibration.changepoint_noise(evidence.device)
-        if own_noise is not None:
-            batch = own_noise[1] > 0
-            centre, spread = torch.where(batch, own_noise[0], centre), torch.where(batch, own_noise[1], spread)
-        return changepoint_score(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask, centre, spread,
-                                 kernel=fused)
-
-    def _settle_calibration(self) -> None:
-        """The previous step's calibration update (:meth:`Calibration.defer`), the thresholds read from it and,
-        for the fused kernel, the next step's parameter table: host work done while the device computes this
-        step's packet."""
-        if not self.calibration.settle():
-            return
-        self._calibration_metrics()  # reads the thresholds
-        if self._kernel_parameters is not None:
-            self._kernel_table(self._kernel_parameters[2].device)
-
-    def _kernel_table(self, device: torch.device) -> torch.Tensor:
-        """The fused kernel's parameter table for the calibration's current thresholds on ``device``: built once
-        per calibration update (:func:`fused_statistics.kernel_parameters`, a non-blocking copy), then reused."""
-        values = self.calibration.threshold_values()  # the same object until the next update
-        # the changepoint threshold: where no score is computed the kernel reads NaN, which never fires
-        readings = (self.calibration.drift_threshold_value(), self.calibration.changepoint_threshold_value())
-        cached = self._kernel_parameters
-        if cached is None or cached[0] is not values or cached[1] != readings or cached[2].device != device:
-            table = fused_statistics.kernel_parameters(self.config, values, device, readings[0],
-                                                       self.calibration.row_scaling(), readings[1])
-            cached = (values, readings, table)
-            self._kernel_parameters = cached
-        return cached[2]
-
-    def _judge(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
-               started: float, local: torch.Tensor | None) -> StepReport:
+    def compute(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
+                started: float, local: torch.Tensor | None) -> StepReport:
+        """The step's report from every process's packet; the detector learns the kept rows of the global batch."""
         layout = PacketLayout(batch)
         width = layout.width
-        # the one host sync: statuses, check flags, statistics, verdicts, histogram and calibration in one copy
+        # the one host sync: statuses, check flags, statistics, verdicts, histogram and noise in one copy
         host = gathered.cpu()
         head = host[:, :2].tolist()  # per rank: status, check flag
         if any(status != STATUS_OK for status, _ in head):
             return self._failed_step(step, batch, host[:, :2], error, started)
+        # on the device, from the gathered packets: the same sum on every rank, no host→device copy
+        self.detector.update(gathered[:, layout.counts].sum(dim=0).view(NUM_REGIONS, NUM_BINS))
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
         reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         suspect_host = reasons_host != 0
@@ -315,47 +246,43 @@ class RolloutGuard:
             local_quarantined = local
         else:
             local_quarantined = torch.zeros(batch, dtype=torch.bool, device=gathered.device)
-        # the step's sums over ranks in one op: histogram, calibration, kept rows
-        offset = layout.histogram.start
-        summed = host[:, offset: layout.kept_rows + 1].sum(dim=0)
-        histogram = summed[: NUM_DELTA_BINS].to(torch.int64)
+        histogram = host[:, layout.histogram].sum(dim=0)
         report = StepReport(
             step=step,
             samples=host[:, layout.samples].reshape(-1, width).double(),
             suspect=suspect_host,
             reasons=reasons_host,
             quarantined=suspect_host if self.config.quarantines else torch.zeros_like(suspect_host),
-            delta_histogram=histogram,
+            delta_histogram=histogram.to(torch.int64),
             local_rows=local_rows,
             local_quarantined=local_quarantined,
             check_flags=[int(flag) for _, flag in head],
-            drift_threshold=self._judged_drift,
-            changepoint_threshold=self._judged_changepoint,
+            threshold=self.detector.threshold,
         )
         report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
-                                      summed[: NUM_DELTA_BINS].tolist(), self.config.quarantines)
+                                      histogram.tolist(), self.config.quarantines)
         report.metrics["guard_failures"] = float(self.totals.failures)
-        calibration = summed[layout.calibration.start - offset: layout.calibration.stop - offset].view(
-            NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
-        # the drift histogram also sees the rows the drift rule alone flagged: without them it only sees CUSUMs below
-        # the threshold in use, its reading can only fall, and a heavy tail then fires at the floor (measured: 0.37 %
-        # of healthy rows in a dense-7B-tail stream); the ceiling bounds what corruption can do to it
-        seen = (reasons_host & ~RULE_BIT["drift"]) == 0
-        kept_drift = report.samples[seen, COLUMN["drift_cusum"]]  # the global batch: the same on every rank
-        # likewise the change-point reading sees the rows the changepoint rule alone flagged
-        kept_changepoint = None
-        if self._judged_changepoint is not None:
-            scored = (reasons_host & ~RULE_BIT["changepoint"]) == 0
-            kept_changepoint = report.samples[scored, COLUMN["changepoint_score"]]
-        # applied while the next step's packet is computed (Calibration.defer): off the host's critical path
-        self.calibration.defer(calibration, float(summed[-1]), kept_drift, self._judged_with, kept_changepoint)
-        report.metrics.update(self._calibration_metrics())
+        report.metrics.update(self._noise_metrics(host[0, layout.noise].tolist()))
         report.alerts = self.alerts.check(step, report.metrics)
+        growth = self.alerts.noise_growth(step, report.metrics, GROWTH_ALERT)
+        if growth is not None:
+            report.alerts.append(growth)
         self._circuit_breaker(report)
         self.last_guard_seconds = time.perf_counter() - started
         report.metrics["guard_seconds"] = self.last_guard_seconds
         self._update_totals(report)
         return report
+
+    def _noise_metrics(self, noise: list[float]) -> dict[str, float]:
+        """The healthy noise the step was judged against, per confidence region (nats), and its growth over the
+        run's early level (NaN until it is recorded); the score's threshold (ln Λ)."""
+        n = NUM_REGIONS
+        metrics = {"score_threshold": self.detector.threshold, "noise_resets": float(self.noise_resets)}
+        for region in range(n):
+            metrics[f"noise/centre_r{region}"] = noise[region]
+            metrics[f"noise/scale_r{region}"] = noise[n + region]
+            metrics[f"noise/growth_r{region}"] = noise[2 * n + region]
+        return metrics
 
     def _failed_step(self, step: int, batch: int, head: torch.Tensor, error: BaseException | None,
                      started: float) -> StepReport:
@@ -420,31 +347,6 @@ class RolloutGuard:
         if alert is not None:
             report.alerts.append(alert)
 
-    def _calibration_metrics(self) -> dict[str, float]:
-        """The thresholds the next step will use, per engine bucket (nats); read once per calibration update."""
-        values = self.calibration.threshold_values()  # the same object until the next update
-        readings = (self.calibration.drift_threshold_value(), self.calibration.changepoint_threshold_value())
-        cached = self._metrics_cache
-        if cached is not None and cached[0] is values and cached[1] == readings and cached[2] == self.calibration_resets:
-            return cached[3]
-        centre, _, spike, unlikely, _ = values
-        metrics = {"calibrated_buckets": float(sum(self.calibration.calibrated_flags())),
-                   "calibration_resets": float(self.calibration_resets),
-                   "calibration/drift_threshold": readings[0] if readings[0] is not None else math.nan,
-                   "calibration/changepoint_threshold": readings[1] if readings[1] is not None else math.nan}
-        # the spread of the run's own mismatch by the engine's confidence (where its noise lives: the fidelity
-        # benchmark's --noise-shape); NaN until a bucket's centre is set
-        spread = [math.sqrt(v) if own else math.nan
-                  for v, own in zip(self.calibration.variance.tolist(), self.calibration.centred_flags(), strict=True)]
-        for bucket in range(NUM_ENGINE_BUCKETS):
-            metrics[f"calibration/centre_b{bucket}"] = centre[bucket]
-            metrics[f"calibration/spread_b{bucket}"] = spread[bucket]
-            metrics[f"calibration/spike_b{bucket}"] = spike[bucket]
-        # the other buckets have (almost) no such tokens; NaN while they are not judged (+inf): a metric with no data
-        metrics["calibration/unlikely_spike_b0"] = unlikely[0] if math.isfinite(unlikely[0]) else math.nan
-        self._metrics_cache = (values, readings, self.calibration_resets, metrics)
-        return metrics
-
     def _update_totals(self, report: StepReport) -> None:
         totals, metrics = self.totals, report.metrics
         totals.steps += 1
@@ -464,6 +366,9 @@ class RolloutGuard:
                 "max_abs_delta": metrics["max_abs_delta"],
                 "p99_abs_delta": metrics["p99_abs_delta"],
                 "kept_max_abs_delta": metrics["kept_max_abs_delta"],
+                "max_score": metrics["max_score"],
+                "kept_max_score": metrics["kept_max_score"],
+                "score_threshold": metrics["score_threshold"],
                 "suspect": metrics["suspect"],
                 "quarantined": metrics["quarantined"],
                 "guard_seconds": metrics["guard_seconds"],
@@ -472,17 +377,18 @@ class RolloutGuard:
 
     def state_dict(self) -> dict:
         return {"config": self.config.to_dict(), "totals": self.totals.to_dict(), "alerts": self.alerts.state_dict(),
-                "calibration": self.calibration.state_dict(), "calibration_resets": self.calibration_resets,
+                "detector": {name: value.tolist() for name, value in self.detector.state_dict().items()},
+                "noise_resets": self.noise_resets,
                 "sampling": list(self.sampling) if self.sampling is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.totals = GuardTotals.from_dict(state["totals"])
         self.alerts.load_state_dict(state["alerts"])
-        if "calibration" in state:
-            self.calibration.load_state_dict(state["calibration"])
-        self.calibration_resets = int(state.get("calibration_resets", 0))
+        if "detector" in state:
+            self.detector.load_state_dict({name: torch.tensor(value, dtype=torch.float64)
+                                           for name, value in state["detector"].items()})
+        self.noise_resets = int(state.get("noise_resets", 0))
         self.sampling = tuple(state["sampling"]) if state.get("sampling") is not None else None
-        self.calibration.announced = self.sampling is not None
 
     def summary(self) -> dict[str, float]:
         totals = self.totals

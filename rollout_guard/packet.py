@@ -6,18 +6,17 @@ Layout (float64; float32 on MPS, which has no float64), for a process with B row
 offset                size                                what
 ====================  ==================================  =======================================================
 0                     2                                   status (1 ok, 0 input error, −1 failure), check flag
-2                     B·W                                 per-sample statistics, row-major (:func:`summarise`)
-2 + B·W               B                                   verdict bitmask per sample over ``verdict.RULES``
+2                     B·W                                 per-rollout statistics, row-major (:func:`summarise`)
+2 + B·W               B                                   verdict bitmask per rollout over ``detector.RULES``
 2 + B·(W+1)           NUM_DELTA_BINS                      |Δ| histogram of all compared tokens (counts)
-…                     NUM_ENGINE_BUCKETS·CALIBRATION_WIDTH calibration contributions of the kept samples, summed
-…                     1                                   kept samples
-…                     len(AGGREGATES)                     step aggregates of this process's samples (sums, maxima)
+…                     NUM_REGIONS·NUM_BINS                the kept rollouts' ``d`` histogram (the detector learns)
+…                     3·NUM_REGIONS                       the noise judged against: centre, scale; its growth
+…                     len(AGGREGATES)                     step aggregates of this process's rollouts
 ====================  ==================================  =======================================================
 
-The verdict travels in the packet: it is a pure function of a sample's row and of the calibration, which is the
-same on every rank, so judging locally and judging after the gather agree, and the local verdict is what decides
-which samples feed the calibration. Two builders produce the same packet: :func:`reference_packet` (pure torch,
-any device) and :func:`rollout_guard.fused_statistics.fused_packet` (one Triton kernel, CUDA).
+The verdict travels in the packet: each process judges its own rows against the detector's state, which is the
+same on every rank, so every rank reads the same gathered verdict, and the kept rows' histogram, summed over ranks,
+is what every rank's detector learns (:meth:`rollout_guard.detector.Detector.update`).
 """
 
 from __future__ import annotations
@@ -27,26 +26,24 @@ from typing import NamedTuple
 
 import torch
 
-from rollout_guard.config import GuardConfig
-from rollout_guard.evidence import RolloutEvidence
-from rollout_guard.statistics import (
-    CALIBRATION_WIDTH, NUM_DELTA_BINS, NUM_ENGINE_BUCKETS, RowScaling, SAMPLE_COLUMNS, Thresholds, summarise,
-)
-from rollout_guard.statistics import COLUMN, histogram_quantile
-from rollout_guard.verdict import RULE_BIT, RULES, judge
+from rollout_guard.detector import RULE_BIT, RULES
+from rollout_guard.detector.noise import NUM_BINS
+from rollout_guard.detector.score import NUM_REGIONS
+from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, histogram_quantile
 
-CALIBRATION_SIZE = NUM_ENGINE_BUCKETS * CALIBRATION_WIDTH
+COUNTS_SIZE = NUM_REGIONS * NUM_BINS
+NOISE_SIZE = 3 * NUM_REGIONS
 
-# Per-step aggregates each process adds up over its own samples, so that the host reads a few numbers per rank
-# instead of reducing the whole sample table: (name, how ranks combine). ``*_num``/``*_den``: token-weighted means
-# (a sample's mean weighs by the tokens it stands on; NaN means skipped). ``kept_max_abs_delta``: over samples the
-# verdict keeps. ``caught``: samples labelled injected (1) and suspect.
+# Per-step aggregates each process adds up over its own rollouts, so that the host reads a few numbers per rank
+# instead of reducing the whole table: (name, how ranks combine). ``*_num``/``*_den``: token-weighted means (a
+# rollout's mean weighs by the tokens it stands on; NaN means skipped). ``kept_*``: over rollouts the verdict keeps.
+# ``caught``: rollouts labelled injected (1) and suspect.
 _MEANS = (("mean_abs_delta", "compared_tokens"), ("kl_k3", "compared_tokens"),
           ("engine_mean_logprob", "engine_tokens"), ("trainer_mean_logprob", "trainer_tokens"))
 AGGREGATES = (
-    *((name, "sum") for name in ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens",
-                                 "nonfinite_trainer_tokens")),
-    *((name, "max") for name in ("max_abs_delta", "engine_max_logprob", "trainer_max_logprob", "kept_max_abs_delta")),
+    *((name, "sum") for name in ("tokens", "compared_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens")),
+    *((name, "max") for name in ("max_abs_delta", "engine_max_logprob", "trainer_max_logprob", "kept_max_abs_delta",
+                                 "max_score", "kept_max_score")),
     *((f"{name}_{part}", "sum") for name, _ in _MEANS for part in ("num", "den")),
     ("injected", "sum"), ("labelled", "sum"), ("suspect", "sum"), ("caught", "sum"),
     *((f"rule/{name}", "sum") for name in RULES),
@@ -71,26 +68,24 @@ class PacketLayout(NamedTuple):
 
     @property
     def reasons(self) -> slice:
-        start = 2 + self.batch * self.width
+        start = self.samples.stop
         return slice(start, start + self.batch)
 
     @property
     def histogram(self) -> slice:
-        start = 2 + self.batch * (self.width + 1)
-        return slice(start, start + NUM_DELTA_BINS)
+        return slice(self.reasons.stop, self.reasons.stop + NUM_DELTA_BINS)
 
     @property
-    def calibration(self) -> slice:
-        start = 2 + self.batch * (self.width + 1) + NUM_DELTA_BINS
-        return slice(start, start + CALIBRATION_SIZE)
+    def counts(self) -> slice:
+        return slice(self.histogram.stop, self.histogram.stop + COUNTS_SIZE)
 
     @property
-    def kept_rows(self) -> int:
-        return 2 + self.batch * (self.width + 1) + NUM_DELTA_BINS + CALIBRATION_SIZE
+    def noise(self) -> slice:
+        return slice(self.counts.stop, self.counts.stop + NOISE_SIZE)
 
     @property
     def aggregates(self) -> slice:
-        return slice(self.kept_rows + 1, self.kept_rows + 1 + len(AGGREGATES))
+        return slice(self.noise.stop, self.noise.stop + len(AGGREGATES))
 
     @property
     def size(self) -> int:
@@ -110,10 +105,10 @@ def empty_packet(batch: int, status: float, device: torch.device) -> torch.Tenso
 
 
 def aggregate_rows(samples: torch.Tensor, reasons: torch.Tensor) -> torch.Tensor:
-    """The :data:`AGGREGATES` of one process's samples, (len(AGGREGATES),) float64 (float32 on MPS), on their device.
+    """The :data:`AGGREGATES` of one process's rollouts, (len(AGGREGATES),) float64 (float32 on MPS), on their device.
 
     Args:
-        samples: (B, len(SAMPLE_COLUMNS)) per-sample statistics.
+        samples: (B, len(SAMPLE_COLUMNS)) per-rollout statistics.
         reasons: (B,) verdict bitmask.
 
     >>> samples = torch.full((2, len(SAMPLE_COLUMNS)), float("nan"))
@@ -129,6 +124,8 @@ def aggregate_rows(samples: torch.Tensor, reasons: torch.Tensor) -> torch.Tensor
     column["trainer_tokens"] = column["tokens"] - column["nonfinite_trainer_tokens"]
     suspect = reasons != 0
     column["kept_max_abs_delta"] = torch.where(suspect, math.nan, column["max_abs_delta"])
+    column["max_score"] = column["score"]
+    column["kept_max_score"] = torch.where(suspect, math.nan, column["score"])
     for name, weight in _MEANS:
         keep = ~torch.isnan(column[name]) & (column[weight] > 0)
         column[f"{name}_num"] = torch.where(keep, column[name] * column[weight], 0.0)
@@ -143,7 +140,7 @@ def aggregate_rows(samples: torch.Tensor, reasons: torch.Tensor) -> torch.Tensor
     stacked = torch.stack([column[name] for name, _ in AGGREGATES], dim=1)
     first, last = MAX_AGGREGATES[0], MAX_AGGREGATES[-1] + 1  # the maxima are contiguous
     sums = stacked.sum(dim=0)
-    maxima = stacked[:, first:last].nan_to_num(nan=-math.inf)
+    maxima = stacked[:, first:last].nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     maxima = maxima.amax(dim=0) if stacked.shape[0] else torch.full_like(sums[first:last], -math.inf)
     return torch.cat([sums[:first], maxima, sums[last:]])
 
@@ -163,14 +160,13 @@ def combine_aggregates(per_rank: list[list[float]]) -> dict[str, float]:
 
 def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Tensor | list[float],
                  quarantines: bool) -> dict[str, float]:
-    """The per-step metrics from the combined aggregates: what :func:`rollout_guard.statistics.step_aggregates`
-    computes from the sample table, plus suspect/quarantined counts and shares, rule counts and, when the batch
-    is labelled by an injector, caught/missed/false alarms."""
+    """The per-step metrics from the combined aggregates: token counts, maxima and token-weighted means, the |Δ|
+    p99, suspect/quarantined counts and shares, rule counts and, when the batch is labelled by an injector,
+    caught/missed/false alarms."""
     a = aggregates
     metrics = {"samples": float(samples)}
-    for name in ("tokens", "compared_tokens", "confident_wrong_tokens", "nonfinite_engine_tokens",
-                 "nonfinite_trainer_tokens",
-                 "max_abs_delta", "engine_max_logprob", "trainer_max_logprob"):
+    for name in ("tokens", "compared_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens",
+                 "max_abs_delta", "engine_max_logprob", "trainer_max_logprob", "max_score"):
         metrics[name] = a[name]
     for name, _ in _MEANS:
         metrics[name] = a[f"{name}_num"] / a[f"{name}_den"] if a[f"{name}_den"] > 0 else math.nan
@@ -183,6 +179,7 @@ def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Te
     metrics["suspect_share"] = metrics["suspect"] / total
     metrics["quarantined_share"] = metrics["quarantined"] / total
     metrics["kept_max_abs_delta"] = a["kept_max_abs_delta"] if quarantines else a["max_abs_delta"]
+    metrics["kept_max_score"] = a["kept_max_score"] if quarantines else a["max_score"]
     for name in RULES:
         metrics[f"rule/{name}"] = a[f"rule/{name}"]
     if labelled:
@@ -190,53 +187,3 @@ def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Te
         metrics["missed"] = a["injected"] - a["caught"]
         metrics["false_alarms"] = a["suspect"] - a["caught"]
     return metrics
-
-
-def reanchor(packet: torch.Tensor, layout: PacketLayout, shift: torch.Tensor) -> torch.Tensor:
-    """Move the packet's calibration sums from the centres the batch was judged around to the calibration's own
-    (in place; returns the packet): a kept token's ``clip(x)`` around a centre moved by ``s`` is, around the
-    calibration's, ``clip(x) + s``, so per bucket
-
-    .. math:: \\Sigma_1 \\leftarrow \\Sigma_1 + n\\,s,\\qquad \\Sigma_2 \\leftarrow \\Sigma_2 + 2s\\,\\Sigma_1 + n\\,s^2
-
-    (``n`` kept tokens, ``Σ₁ = Σ clip(x)``, ``Σ₂ = Σ clip(x)²``; the histograms are left as they are: a bucket
-    judged around the batch's own centre feeds only its centre and spread, see
-    :func:`rollout_guard.statistics.batch_thresholds`).
-
-    Args:
-        packet: one process's packet.
-        layout: its layout.
-        shift: (NUM_ENGINE_BUCKETS,) nats, on the packet's device.
-
-    >>> layout = PacketLayout(0); packet = torch.zeros(layout.size, dtype=torch.float64)
-    >>> packet[layout.calibration.start : layout.calibration.start + 3] = torch.tensor([10.0, 1.0, 2.0])
-    >>> reanchor(packet, layout, torch.tensor([0.5, 0.0, 0.0, 0.0]))[layout.calibration][:3].tolist()
-    [10.0, 6.0, 5.5]
-    """
-    sums = packet[layout.calibration].view(NUM_ENGINE_BUCKETS, CALIBRATION_WIDTH)
-    shift = shift.to(sums.dtype)
-    tokens, first = sums[:, 0].clone(), sums[:, 1].clone()
-    sums[:, 1] = first + tokens * shift
-    sums[:, 2] = sums[:, 2] + 2 * shift * first + tokens * shift * shift
-    return packet
-
-
-def reference_packet(evidence: RolloutEvidence, config: GuardConfig, thresholds: Thresholds,
-                     drift_threshold: float | None = None, scaling: RowScaling | None = None,
-                     changepoint: torch.Tensor | None = None,
-                     changepoint_threshold: float | None = None) -> torch.Tensor:
-    """The packet from the pure-torch statistics (:func:`summarise`) and verdict (:func:`judge`), on the
-    evidence's device; status 1 and check flag 0 (the caller sets the flag). ``drift_threshold``: the calibrated
-    one in use (nats; default ``config.drift_threshold``); ``scaling``: each row's own spike threshold
-    (:func:`rollout_guard.statistics.spike_per_row`); ``changepoint``: (B,) each row's change-point score and
-    ``changepoint_threshold`` the rule's threshold (``None``: not judged)."""
-    samples, histogram, contribution = summarise(evidence, config, thresholds, scaling, changepoint)
-    verdict = judge(samples, config, drift_threshold, changepoint_threshold)
-    dtype = packet_dtype(samples.device)
-    exact = torch.float32 if samples.device.type == "mps" else torch.float64
-    kept = ~verdict.suspect
-    calibration = (contribution.to(exact) * kept.view(-1, 1, 1)).sum(dim=0).flatten()
-    head = torch.ones(2, dtype=dtype, device=samples.device)
-    head[1] = 0.0
-    return torch.cat([head, samples.flatten().to(dtype), verdict.reasons.to(dtype), histogram.to(dtype),
-                      calibration.to(dtype), kept.sum().view(1).to(dtype), aggregate_rows(samples, verdict.reasons)])

@@ -94,8 +94,8 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
             the trainer's logprobs re-scored now given the true prompt (:func:`abs_delta`).
         fresh: (T,) |Δ| between a fresh engine's logprobs of the same tokens given the true prompt and the
             re-scored trainer's; None when no fresh engine scored them.
-        token_threshold: nats; a token is high when its |Δ| exceeds this. Default 1.0 nat (the guard's
-            ``mean_delta`` and ``divergence_delta``; clean bf16 tokens stay below ~0.1).
+        token_threshold: nats; a token is high when its |Δ| exceeds this. Default 1.0 nat (clean bf16 tokens stay
+            below ~0.1).
         spike_max_tokens: tokens; up to this many high tokens that are not persistent are ``isolated_spikes``,
             and so are more of them when they cover less than ``persistence`` of the tail. Default 3 (the
             selective-scan overflow of vLLM PR #35275 showed as 1–3 spikes).

@@ -35,7 +35,7 @@ class QuarantineRecord:
     global_row: int  # row in the gathered batch (group = global_row // group_size)
     group_size: int
     action: str  # "quarantined" (removed from the loss) or "monitored" (monitor mode: reported only)
-    rules: list[str]  # verdict rules that fired
+    rules: list[str]  # verdict rules that fired (rollout_guard.verdict.RULE_TEXT says what each means)
     stats: dict[str, float]  # the sample's row of statistics.SAMPLE_COLUMNS
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -52,6 +52,7 @@ class QuarantineRecord:
     model: str  # name_or_path of the trained model
     engine: dict[str, Any]  # e.g. {"name": "vllm", "mode": "colocate", "version": "0.31.0"}
     injected: bool | None = None  # ground truth when a fault injector is on
+    explanation: str = ""  # one sentence on why it was judged so (rollout_guard.verdict.explain)
     # False: statistics, rules, rewards and advantages only; no token ids, texts or per-token logprobs (the step
     # had more suspect samples than GuardConfig.evidence_samples_per_step and this one was not among the worst)
     full_evidence: bool = True

@@ -14,6 +14,7 @@ from rollout_guard.engine_view import SAMPLES_FILE, engine_history, engine_summa
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.statistics import DELTA_BIN_EDGES
 from rollout_guard.store import read_records
+from rollout_guard.verdict import RULE_TEXT
 
 
 STATISTICS_ONLY = "(statistics only: not among the step's worst evidence_samples_per_step)"
@@ -101,13 +102,14 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
     figures = run_dir / "report"
     history = [
         {key: _nan(row.get(key)) if key != "step" else row["step"] for key in
-         ("step", "max_abs_delta", "p99_abs_delta", "kept_max_abs_delta", "suspect", "quarantined")}
+         ("step", "max_abs_delta", "p99_abs_delta", "kept_max_abs_delta", "max_score", "kept_max_score",
+          "score_threshold", "suspect", "quarantined")}
         for row in metrics
     ]
     sections = []
     if history:
-        chart = spike_chart(history, config.get("spike_delta"), config.get("mean_delta"), figures / "spikes.png")
-        sections.append(f"<h2>|Δ| per step</h2>{_img(chart, 'spike chart')}")
+        chart = spike_chart(history, config.get("ceiling_delta"), figures / "spikes.png")
+        sections.append(f"<h2>Score and |Δ| per step</h2>{_img(chart, 'spike chart')}")
         histograms = [row["delta_histogram"] for row in metrics if row.get("delta_histogram")]
         if histograms and len(histograms) == len(metrics):
             heatmap = delta_heatmap([row["step"] for row in metrics], histograms, DELTA_BIN_EDGES.tolist(),
@@ -123,32 +125,35 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         sections.append(f"<h2>Alerts ({len(alerts)})</h2><ul>{items}</ul>")
     # token by token needs the tokens: records without them (beyond evidence_samples_per_step) are tabled only
     worst = sorted((record for record in records if record.full_evidence),
-                   key=lambda record: -(record.stats.get("max_abs_delta") or 0.0))[:top]
+                   key=lambda record: -(record.stats.get("score") or -math.inf))[:top]
     if worst:
         plots = "".join(
             _img(token_chart(record, figures / f"worst_{index:02d}_step{record.step}_row{record.global_row}.png"),
                  f"rollout {record.global_row}")
             for index, record in enumerate(worst)
         )
-        sections.append(f"<h2>Worst {len(worst)} samples, token by token</h2>{plots}")
+        sections.append(f"<h2>Highest-scoring {len(worst)} rollouts, token by token</h2>{plots}")
     if records:
-        header = ("step", "rollout", "action", "rules", "prompt", "completion", "reward", "max |Δ|", "mean |Δ|",
-                  "first divergent", "injected",
-                  "engine context")
+        header = ("step", "rollout", "action", "why", "rules", "score", "prompt", "completion", "reward", "max |Δ|",
+                  "mean |Δ|", "onset token", "injected", "engine context")
         body = []
         for record in records:
-            first = record.stats.get("first_divergent_token")
+            first = record.stats.get("onset_token")
             first_text = ""
             if first is not None and 0 <= first < len(record.completion_tokens):
                 first_text = f"#{int(first)} {record.completion_tokens[int(first)]!r}"
             completion = record.completion_text if record.full_evidence else STATISTICS_ONLY
-            cells = (record.step, record.global_row, record.action, ", ".join(record.rules), record.prompt_text,
-                     completion, record.reward, _nan(record.stats.get("max_abs_delta")),
+            cells = (record.step, record.global_row, record.action, record.explanation, ", ".join(record.rules),
+                     _nan(record.stats.get("score")), record.prompt_text, completion, record.reward, _nan(record.stats.get("max_abs_delta")),
                      _nan(record.stats.get("mean_abs_delta")), first_text, record.injected,
                      engine_summary(record.engine))
             body.append("<tr>" + "".join(f"<td>{html.escape(format_value(cell))}</td>" for cell in cells) + "</tr>")
+        quarantined = sum(record.action == "quarantined" for record in records)
+        title = (f"Quarantined rollouts ({len(records)})" if quarantined == len(records) else
+                 f"Suspect rollouts ({len(records)}; {quarantined} quarantined, the rest kept in monitor mode)")
+        legend = "".join(f"<li><b>{html.escape(name)}</b>: {html.escape(text)}</li>" for name, text in RULE_TEXT.items())
         sections.append(
-            f"<h2>Quarantined samples ({len(records)})</h2><table><tr>"
+            f"<h2>{html.escape(title)}</h2><p>Rules:</p><ul>{legend}</ul><table><tr>"
             + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" + "".join(body) + "</table>"
         )
     summary = {

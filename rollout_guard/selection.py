@@ -13,13 +13,13 @@ from rollout_guard.verdict import RULES
 
 def severity_rank(reasons: torch.Tensor) -> torch.Tensor:
     """Index in :data:`rollout_guard.verdict.RULES` of the most severe rule fired per sample (the lowest set bit
-    of the bitmask; RULES lists non-finite values, then the fixed ceilings, then the calibrated rules), and
+    of the bitmask; RULES lists non-finite values, then the absolute ceiling, then the score), and
     ``len(RULES)`` where none fired.
 
     ``reasons``: (N,) int32 bitmask over RULES. Returns (N,) int64.
 
     >>> severity_rank(torch.tensor([0b100, 0b110, 0b1, 0], dtype=torch.int32)).tolist()
-    [2, 1, 0, 7]
+    [2, 1, 0, 4]
     """
     reasons = reasons.to(torch.int64)
     lowest = reasons & -reasons  # the lowest set bit, 0 where none
@@ -30,24 +30,24 @@ def severity_rank(reasons: torch.Tensor) -> torch.Tensor:
 def worst_suspects(samples: torch.Tensor, reasons: torch.Tensor, k: int) -> torch.Tensor:
     """Global rows of the ``k`` worst suspect samples, worst first.
 
-    Order: most severe rule fired (:func:`severity_rank`, ascending), then the sample's max |Δ| (descending; NaN
+    Order: most severe rule fired (:func:`severity_rank`, ascending), then the rollout's score (descending; NaN
     last), then the row index (ascending): a total order, so the choice is identical wherever it is computed.
 
     ``samples``: (N, len(SAMPLE_COLUMNS)) per-sample statistics; ``reasons``: (N,) int32 bitmask (0 = not
     suspect). Returns (min(k, suspects),) int64 row indices.
 
     >>> samples = torch.zeros(5, len(COLUMN), dtype=torch.float64)
-    >>> samples[:, COLUMN["max_abs_delta"]] = torch.tensor([9.0, 30.0, 4.0, float("nan"), 12.0], dtype=torch.float64)
-    >>> reasons = torch.tensor([64, 4, 0, 32, 64], dtype=torch.int32)  # drift, token_spike, clean, directional, drift
+    >>> samples[:, COLUMN["score"]] = torch.tensor([9.0, 30.0, 4.0, float("nan"), 12.0], dtype=torch.float64)
+    >>> reasons = torch.tensor([8, 4, 0, 8, 8], dtype=torch.int32)  # score, ceiling, kept, score, score
     >>> worst_suspects(samples, reasons, 3).tolist()
-    [1, 3, 4]
+    [1, 4, 0]
     """
     if k <= 0:
         return torch.zeros(0, dtype=torch.int64)
     rows = torch.nonzero(reasons != 0).flatten()
     if rows.numel() == 0:
         return rows
-    delta = samples[rows, COLUMN["max_abs_delta"]].double()
+    delta = samples[rows, COLUMN["score"]].double()
     delta = torch.where(torch.isnan(delta), torch.full_like(delta, -torch.inf), delta)
     # stable sorts from the least to the most significant key (rows are ascending already)
     order = torch.sort(-delta, stable=True).indices

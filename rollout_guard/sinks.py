@@ -101,7 +101,7 @@ class LocalFilesSink:
             self._no_charts = True
             logger.warning("rollout_guard: no spikes.png (%s); metrics.jsonl has the same numbers", error)
             return None
-        return spike_chart(guard.totals.history, self.config.spike_delta, self.config.mean_delta, self.chart_path)
+        return spike_chart(guard.totals.history, self.config.ceiling_delta, self.chart_path)
 
 
 class StepTableSink:
@@ -111,7 +111,7 @@ class StepTableSink:
     COLUMNS = (
         ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max|Δ|", "{:.2e}"),
         ("p99_abs_delta", "p99|Δ|", "{:.2e}"), ("kept_max_abs_delta", "kept max|Δ|", "{:.2e}"),
-        ("engine_max_logprob", "eng max lp", "{:.3f}"), ("confident_wrong_tokens", "conf-wrong", "{:.0f}"),
+        ("max_score", "max score", "{:.1f}"), ("kept_max_score", "kept score", "{:.1f}"),
         ("injected", "injected", "{:.0f}"), ("suspect", "suspect", "{:.0f}"), ("quarantined", "quarant.", "{:.0f}"),
         ("guard_seconds", "guard ms", "{:.2f}"),
     )

@@ -6,7 +6,7 @@ from rollout_guard.config import GuardConfig
 
 def step_metrics(share: float, max_delta: float, samples: int = 100) -> dict[str, float]:
     return {"quarantined_share": share, "suspect_share": share, "suspect": share * samples, "samples": samples,
-            "max_abs_delta": max_delta, "p99_abs_delta": max_delta / 2, "rule/token_spike": share * samples}
+            "max_abs_delta": max_delta, "p99_abs_delta": max_delta / 2, "rule/ceiling": share * samples}
 
 
 def test_quiet_run_sends_nothing():
@@ -15,13 +15,13 @@ def test_quiet_run_sends_nothing():
 
 
 def test_rate_jump_alerts_once_then_cools_down():
-    monitor = AlertMonitor(GuardConfig(alert_cooldown_steps=100, spike_delta=8.0))
+    monitor = AlertMonitor(GuardConfig(alert_cooldown_steps=100, ceiling_delta=8.0))
     for step in range(1, 50):
         assert not monitor.check(step, step_metrics(0.0, 1e-6))
     alerts = monitor.check(50, step_metrics(0.25, 12.0))
     assert {a.kind for a in alerts} == {"quarantine_rate", "max_abs_delta"}
     rate = next(a for a in alerts if a.kind == "quarantine_rate")
-    assert rate.value == 0.25 and rate.baseline == 0.0 and "25.0%" in rate.title and "token_spike=25" in rate.text
+    assert rate.value == 0.25 and rate.baseline == 0.0 and "25.0%" in rate.title and "ceiling=25" in rate.text
     # a bad stretch: every step bad, but at most one alert of each kind per cooldown window
     sent = sum(len(monitor.check(step, step_metrics(0.25, 12.0))) for step in range(51, 150))
     assert sent == 0
@@ -38,7 +38,7 @@ def test_small_share_below_the_floor_and_below_the_jump_do_not_alert():
 
 
 def test_spike_must_pass_the_rule_threshold_and_the_baseline():
-    monitor = AlertMonitor(GuardConfig(spike_delta=8.0))
+    monitor = AlertMonitor(GuardConfig(ceiling_delta=8.0))
     assert not monitor.check(1, step_metrics(0.0, 5.0))  # first measurement, under the threshold
     for step in range(2, 60):
         monitor.check(step, step_metrics(0.0, 1e-5))
@@ -47,9 +47,9 @@ def test_spike_must_pass_the_rule_threshold_and_the_baseline():
 
 
 def test_state_round_trip_keeps_baselines_and_cooldowns():
-    monitor = AlertMonitor(GuardConfig(spike_delta=8.0))
+    monitor = AlertMonitor(GuardConfig(ceiling_delta=8.0))
     monitor.check(1, step_metrics(0.3, 12.0))
-    restored = AlertMonitor(GuardConfig(spike_delta=8.0))
+    restored = AlertMonitor(GuardConfig(ceiling_delta=8.0))
     restored.load_state_dict(monitor.state_dict())
     assert restored.state_dict() == monitor.state_dict()
     assert not restored.check(2, step_metrics(0.9, 40.0))  # still cooling down

@@ -12,8 +12,8 @@ import rollout_guard
 README = Path(__file__).resolve().parents[1] / "README.md"
 CORE_MODULES = (
     "config", "errors", "evidence", "guard", "records", "store", "sinks", "console", "extras", "action", "statistics",
-    "verdict", "alerts", "injection", "charts", "report", "calibration", "selection", "writer", "packet",
-    "fused_statistics", "engine_view", "support", "changepoint",
+    "verdict", "alerts", "injection", "charts", "report", "selection", "writer", "packet", "engine_view", "support",
+    "detector.detector", "detector.noise", "detector.score",
 )
 
 

@@ -31,7 +31,7 @@ def test_doctests(module):
 
 
 def test_alerts_are_logged_when_they_happen_and_the_summary_at_the_end(tmp_path, caplog):
-    guard = RolloutGuard(GuardConfig(spike_delta=8.0))
+    guard = RolloutGuard(GuardConfig(ceiling_delta=8.0))
     sink = ConsoleSink(tmp_path)
     with caplog.at_level(logging.INFO, logger="rollout_guard"):
         sink.on_step(guard.inspect(evidence(0), step=1), guard)
@@ -44,7 +44,7 @@ def test_alerts_are_logged_when_they_happen_and_the_summary_at_the_end(tmp_path,
     summary = caplog.records[-1].getMessage().splitlines()
     assert caplog.records[-1].levelno == logging.INFO
     assert summary[0] == "rollout_guard: 3 steps, 24 rollouts judged; 3 quarantined (kept out of the loss), 12.50%."
-    assert summary[1].startswith("  rules fired: ") and "token_spike 3" in summary[1]
+    assert summary[1].startswith("  rules fired: ") and "score 3" in summary[1] and "ceiling 3" in summary[1]
     assert summary[2] == "  worst step: 2 (2 suspect, max |Δ| 9.95 nats)"
     assert summary[-3] == f"  evidence: {tmp_path / 'quarantine'} (one record per suspect sample)"
     assert summary[-2] == f"  per-step values: {tmp_path / 'metrics.jsonl'}"
@@ -70,7 +70,7 @@ import torch
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
 from rollout_guard.console import ConsoleSink
 
-guard, sink = RolloutGuard(GuardConfig(spike_delta=8.0)), ConsoleSink("runs/x/rollout_guard")
+guard, sink = RolloutGuard(GuardConfig(ceiling_delta=8.0)), ConsoleSink("runs/x/rollout_guard")
 engine = torch.full((8, 5), -0.05)
 trainer = engine.clone()
 trainer[:2] = -10.0
@@ -91,7 +91,7 @@ def test_a_plain_script_without_logging_set_up_shows_the_lines():
 def test_an_application_level_setting_is_respected(caplog):
     logging.getLogger("rollout_guard").setLevel(logging.WARNING)
     try:
-        guard = RolloutGuard(GuardConfig(spike_delta=8.0))
+        guard = RolloutGuard(GuardConfig(ceiling_delta=8.0))
         sink = ConsoleSink()
         sink.on_step(guard.inspect(evidence(2), step=1), guard)
         sink.on_end(guard)

@@ -7,9 +7,9 @@ import importlib
 
 import pytest
 
-MODULES = ("rollout_guard.statistics", "rollout_guard.calibration", "rollout_guard.patterns", "rollout_guard.action",
+MODULES = ("rollout_guard.statistics", "rollout_guard.packet", "rollout_guard.patterns", "rollout_guard.action",
            "rollout_guard.console", "rollout_guard.extras", "rollout_guard.injection", "rollout_guard.support",
-           "rollout_guard.changepoint", "rollout_guard.verdict", "rollout_guard.detector.score",
+           "rollout_guard.selection", "rollout_guard.verdict", "rollout_guard.detector.score",
            "rollout_guard.detector.noise", "rollout_guard.detector.detector")
 
 

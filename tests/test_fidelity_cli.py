@@ -20,10 +20,11 @@ from benchmarks.fidelity import app, preset, with_overrides  # noqa: E402
 
 def test_an_override_changes_that_field_only():
     base = preset("defaults")
-    changed = with_overrides(base, ["calibrated_drift_floor=2.0", "joint_margin=None"])
-    assert changed.calibrated_drift_floor == 2.0 and changed.joint_margin is None
-    assert changed.to_dict() | {"calibrated_drift_floor": base.calibrated_drift_floor,
-                                "joint_margin": base.joint_margin} == base.to_dict()
+    changed = with_overrides(base, ["false_alarm_budget=1e-4", "ceiling_delta=None"])
+    assert changed.false_alarm_budget == 1e-4 and changed.ceiling_delta is None
+    assert base.false_alarm_budget != 1e-4 and base.ceiling_delta is not None
+    assert changed.to_dict() | {"false_alarm_budget": base.false_alarm_budget,
+                                "ceiling_delta": base.ceiling_delta} == base.to_dict()
     assert with_overrides(base, []) == base
     result = doctest.testmod(fidelity)  # with_overrides' example, the module's only one
     assert result.attempted > 0 and result.failed == 0
@@ -31,9 +32,10 @@ def test_an_override_changes_that_field_only():
 
 @pytest.mark.parametrize(("item", "named"), [
     ("no_such_field=1", "no_such_field=1"),
-    ("calibrated_drift_floor", "calibrated_drift_floor"),  # no '='
-    ("calibrated_drift_floor=two", "calibrated_drift_floor=two"),  # not a literal
-    ("calibrated_drift_floor=-1.0", "GuardConfig.calibrated_drift_floor=-1.0"),  # refused by GuardConfig itself
+    ("spike_delta=8.0", "spike_delta=8.0"),  # not a GuardConfig field
+    ("false_alarm_budget", "false_alarm_budget"),  # no '='
+    ("false_alarm_budget=two", "false_alarm_budget=two"),  # not a literal
+    ("false_alarm_budget=2.0", "GuardConfig.false_alarm_budget=2.0"),  # refused by GuardConfig itself
 ])
 def test_bad_overrides_are_refused_naming_the_field(item, named):
     with pytest.raises(typer.BadParameter) as error:
@@ -42,15 +44,21 @@ def test_bad_overrides_are_refused_naming_the_field(item, named):
     assert named in message and "\n" not in message
 
 
+def test_an_unknown_preset_is_refused_naming_the_known_ones():
+    with pytest.raises(typer.BadParameter) as error:
+        preset("single-score")
+    assert "'single-score'" in str(error.value) and "'defaults'" in str(error.value)
+
+
 def test_the_command_refuses_a_bad_override_before_reading_data(tmp_path, monkeypatch):
     def unread(paths):  # the data must not be read
         raise AssertionError("data read before the --set check")
 
     monkeypatch.setattr(fidelity, "read_tables", unread)
     result = CliRunner().invoke(app, ["--data", str(REPO / "benchmarks" / "fidelity_data" / "*.parquet"),
-                                      "--set", "spike_excess=0", "--out", str(tmp_path / "out")])
+                                      "--set", "ceiling_delta=0", "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert "spike_excess" in result.output
+    assert "ceiling_delta" in result.output
     assert not (tmp_path / "out").exists()
 
 

@@ -1,9 +1,9 @@
 """A fixed subset of the fidelity benchmark: fails if the default detector regresses on it.
 
 Real H200 rollouts (``benchmarks/fidelity_data``), the same noise conditions and fault zoo as
-``benchmarks/fidelity.py``, fewer rollouts. The bounds sit a margin below what the defaults measured on this
-subset (see ``measure``'s figures in the assertion messages); release 0.1's thresholds fail them, which shows the
-test can fail.
+``benchmarks/fidelity.py``, fewer rollouts and 64-rollout steps. The bounds sit a margin below what the defaults
+measure on this subset (the figures beside them; ``measure``'s in the assertion messages); a guard whose score
+threshold is out of reach (``false_alarm_budget=1e-30``, no ceiling) fails them, which shows the test can fail.
 """
 
 from __future__ import annotations
@@ -18,38 +18,33 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.fidelity import conditions, preset, synthetic_faults  # noqa: E402
+from benchmarks.fidelity import conditions, preset, synthetic_faults, with_overrides  # noqa: E402
 from benchmarks.fidelity_kit.rollouts import fixed_subset, read_tables  # noqa: E402
 from benchmarks.fidelity_kit.score import replay  # noqa: E402
+from rollout_guard.config import GuardConfig  # noqa: E402
 
 DATA = sorted(glob.glob(str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parquet")))
 
-# pooled over conditions: the least recall per fault, the most false quarantines per clean rollout
-# (measured on this subset, 2026-11-30, after the third session's detector change: gibberish 1.0, NaN 1.0, moderate
-# 0.81, late onset 0.76, isolated 0.92, single 0.90, truncated 0.94, real context swap 0.99, real late onset 1.0;
-# false: real 0, dense tail 0, hybrid tail 0.0011, top-k 0. Smaller than the benchmark's 256-rollout steps, the
-# calibration warms up later here, so the uncalibrated 4-nat spike threshold judges more of the rows than there:
-# before that change moderate 0.89, late onset 0.80, single 0.94, hybrid tail false 0.0067, top-k false 0.0022.
-# After the fourth session's (unlikely-token spikes, announced sampling changes): moderate 0.80, late onset 0.755,
-# isolated 0.92, single 0.91, truncated 0.92, real context swap 0.98; false as before. After the fifth's (spike
-# floor 1.5, calibrated drift threshold, both only when told the sampling settings, as replay now does for every
-# condition): moderate 0.804, late onset 0.754, isolated 0.921, single 0.911, truncated 0.943, real context swap
-# 0.981; false as before. After the sixth's (replay: each setting judged after 20 steps of it, the guard moved on
-# with the stream's fault share; restarts on a setting change; centres before histograms; drift floor 3.5):
-# moderate 0.928, late onset 0.89, isolated 0.943, single 0.977, truncated 0.969, real context swap 1.0; false:
-# real 0, dense tail 0, hybrid tail 0.0011, top-k 0. Release 0.1 on the same replay: late onset 0.19, single
-# 0.63, isolated 0.81, false 1.6 / 4.3 / 100 % under the three noise models.)
+# pooled over conditions: the least recall per fault, the most false quarantines per clean rollout. Measured with
+# GuardConfig's defaults (circuit breaker off) on this subset: gibberish 1.0, NaN 1.0, moderate 0.999, late onset
+# 0.973, isolated spikes 0.962, single spike 0.965, truncated 1.0, real context swap 0.991, real late onset 1.0 (real
+# stale weights 0.0: not corruption a row verdict can tell, left out); false quarantines: real 0, dense-7B tail
+# 0.077, hybrid-7B tail 0.014, top-k 0. The tails' false quarantines come from rare 3–13-nat healthy disagreements
+# in a run too short to have shown them on the other side (docs/detector.md); the full benchmark's streams are
+# longer. With false_alarm_budget=1e-30 and ceiling_delta=None: late onset 0.858, isolated 0.746, single 0.656,
+# moderate 0.973, real context swap 0.903.
 RECALL_AT_LEAST = {
-    "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.85, "late_onset": 0.8,
-    "isolated_spikes": 0.9, "single_spike": 0.93, "truncated_gibberish": 0.9, "real_context_swap": 0.9,
+    "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.98, "late_onset": 0.94,
+    "isolated_spikes": 0.93, "single_spike": 0.93, "truncated_gibberish": 0.98, "real_context_swap": 0.95,
     "real_late_onset": 0.9,
 }
-FALSE_AT_MOST = {"real": 0.0, "tail_dense7b": 0.005, "tail_hybrid7b": 0.005, "topk5_high_entropy": 0.005}
+FALSE_AT_MOST = {"real": 0.0, "softmax_dense7b": 0.1, "softmax_hybrid7b": 0.03, "topk5_high_entropy": 0.005}
+BLIND = ["false_alarm_budget=1e-30", "ceiling_delta=None"]  # a score threshold of 69 nats, no ceiling
 
 
-def measure(preset_name: str) -> tuple[dict[str, float], dict[str, float]]:
+def measure(config: GuardConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """Recall per fault kind and false quarantines per clean rollout by noise kind, pooled over conditions."""
     table = fixed_subset(read_tables(DATA), clean_per_source=300, faulty_per_kind=40, seed=0)
-    config = preset(preset_name)
     generator = torch.Generator().manual_seed(0)
     caught: dict[str, list[int]] = {}
     false: dict[str, list[int]] = {}
@@ -76,15 +71,17 @@ def failures(recall: dict[str, float], false_rate: dict[str, float]) -> list[str
 
 @pytest.mark.skipif(not DATA, reason="benchmarks/fidelity_data has no rollouts")
 def test_defaults_hold_on_the_fixed_subset():
-    recall, false_rate = measure("defaults")
+    recall, false_rate = measure(preset("defaults"))
+    assert set(RECALL_AT_LEAST) <= set(recall) and set(FALSE_AT_MOST) == set(false_rate), (recall, false_rate)
     assert not failures(recall, false_rate), (recall, false_rate)
 
 
 @pytest.mark.skipif(not DATA, reason="benchmarks/fidelity_data has no rollouts")
-def test_release_0_1_thresholds_fail_the_same_bounds():
-    recall, false_rate = measure("v0.1")
+def test_a_threshold_out_of_reach_fails_the_same_bounds():
+    recall, false_rate = measure(with_overrides(preset("defaults"), BLIND))
     problems = failures(recall, false_rate)
-    assert any("late_onset" in p for p in problems) and any("topk5_high_entropy" in p for p in problems), problems
+    assert all(any(p.startswith(f"recall {kind} ") for p in problems)
+               for kind in ("late_onset", "isolated_spikes", "single_spike")), problems
 
 
 def test_stitched_conditions_keep_every_token_and_put_a_real_late_onset_last():

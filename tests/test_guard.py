@@ -38,13 +38,15 @@ class ThreadGroup:
             thread.join(timeout=30)
 
 
-def batch(seed: int, corrupt_rows: list[int], batch_size: int = 4, length: int = 6) -> RolloutEvidence:
+def batch(seed: int, corrupt_rows: list[int], batch_size: int = 8, length: int = 6) -> RolloutEvidence:
+    """Rows whose trainer agrees with the engine to 1e-4 nats, and corrupted rows on which the engine is sure
+    (−0.01) of tokens the trainer gives −5 … −13 nats; the last column is padding."""
     generator = torch.Generator().manual_seed(seed)
     engine = -torch.rand(batch_size, length, generator=generator)
     trainer = engine + 1e-4 * torch.randn(batch_size, length, generator=generator)
-    for row in corrupt_rows:
+    for row in corrupt_rows:  # the engine sure of tokens the trainer finds 5–13 nats less likely
         engine[row] = -0.01
-        trainer[row] = -9.0
+        trainer[row] = -5.0 - 8.0 * torch.rand(length, generator=generator)
     mask = torch.ones(batch_size, length, dtype=torch.long)
     mask[:, -1] = 0
     injected = torch.zeros(batch_size, dtype=torch.bool)
@@ -56,18 +58,19 @@ def test_single_process_report_and_totals():
     guard = RolloutGuard(GuardConfig())
     report = guard.inspect(batch(0, [2]), step=7)
     assert report.step == 7
-    assert report.suspect.tolist() == [False, False, True, False]
+    assert report.suspect.tolist() == [False, False, True] + [False] * 5
     assert report.quarantined.tolist() == report.suspect.tolist()
-    assert report.local_quarantined.tolist() == [False, False, True, False]
+    assert report.local_quarantined.tolist() == report.suspect.tolist()
     metrics = report.metrics
-    assert metrics["quarantined"] == 1 and metrics["quarantined_share"] == 0.25
+    assert metrics["quarantined"] == 1 and metrics["quarantined_share"] == 0.125
     assert metrics["caught"] == 1 and metrics["missed"] == 0 and metrics["false_alarms"] == 0
-    assert metrics["max_abs_delta"] == pytest.approx(8.99, abs=1e-4)
+    assert 4.99 < metrics["max_abs_delta"] < 12.99
     assert metrics["kept_max_abs_delta"] < 1e-3
-    assert metrics["rule/mean_drift"] == 1 and metrics["guard_seconds"] > 0
+    assert metrics["rule/score"] == 1 and metrics["guard_seconds"] > 0
+    assert metrics["max_score"] > metrics["score_threshold"] > metrics["kept_max_score"]
     guard.inspect(batch(1, []), step=8)
     summary = guard.summary()
-    assert summary["rollouts"] == 8 and summary["quarantined"] == 1 and summary["caught"] == 1
+    assert summary["rollouts"] == 16 and summary["quarantined"] == 1 and summary["caught"] == 1
     assert [row["step"] for row in guard.totals.history] == [7, 8]
 
 
@@ -91,10 +94,14 @@ def test_two_processes_call_gather_once_and_agree_on_everything():
     assert group.calls == [1, 1]
     first, second = reports
     assert torch.equal(first.suspect, second.suspect)
-    assert first.suspect.tolist() == [True, False, False, False, False, True, False, True]
-    assert first.local_quarantined.tolist() == [True, False, False, False]
-    assert second.local_quarantined.tolist() == [False, True, False, True]
-    assert (first.local_rows, second.local_rows) == (slice(0, 4), slice(4, 8))
+    expected = [row in (0, 9, 11) for row in range(16)]
+    assert first.suspect.tolist() == expected
+    assert first.local_quarantined.tolist() == expected[:8]
+    assert second.local_quarantined.tolist() == expected[8:]
+    assert (first.local_rows, second.local_rows) == (slice(0, 8), slice(8, 16))
+    # the detector learned the same kept rows on both ranks
+    assert all(torch.equal(a, b) for a, b in zip(guards[0].detector.state_dict().values(),
+                                                 guards[1].detector.state_dict().values(), strict=True))
     same = {k: v for k, v in first.metrics.items() if k != "guard_seconds"}
     other = {k: v for k, v in second.metrics.items() if k != "guard_seconds"}
     assert same.keys() == other.keys()
@@ -122,38 +129,39 @@ def test_state_round_trip():
 
 def test_circuit_breaker_stops_or_alerts_as_configured():
     stopping = RolloutGuard(GuardConfig(max_quarantine_share=0.5, ceiling_steps=2))
-    assert stopping.inspect(batch(0, [0, 1, 2]), step=1).stop_training is None  # 75 %, but only one step so far
-    report = stopping.inspect(batch(1, [0, 1, 2]), step=2)
+    heavy = [0, 1, 2, 3, 4, 5]  # 75 % of the rows
+    assert stopping.inspect(batch(0, heavy), step=1).stop_training is None  # but only one step so far
+    report = stopping.inspect(batch(1, heavy), step=2)
     assert report.stop_training and "max_quarantine_share=0.5 for 2 step(s)" in report.stop_training
     # the rules that fired at that step, most first, each with its count of rows: where a person starts looking
-    assert "rules fired: mean_drift 3, confident_wrong 3, directional_spike 3, drift 3)" in report.stop_training
+    assert "rules fired: score " in report.stop_training
     assert [a.kind for a in report.alerts if a.level == "ERROR"] == ["circuit_breaker"]
     assert stopping.summary()["stopped"] == report.stop_training
     alerting = RolloutGuard(GuardConfig(max_quarantine_share=0.5, on_ceiling="alert", alert_cooldown_steps=10))
-    kinds = [[a.kind for a in alerting.inspect(batch(s, [0, 1, 2]), step=s).alerts] for s in range(1, 13)]
-    assert alerting.inspect(batch(20, [0, 1, 2]), step=20).stop_training is None
+    kinds = [[a.kind for a in alerting.inspect(batch(s, heavy), step=s).alerts] for s in range(1, 13)]
+    assert alerting.inspect(batch(20, heavy), step=20).stop_training is None
     breaker_steps = [step for step, k in enumerate(kinds, start=1) if "circuit_breaker" in k]
     assert breaker_steps == [1, 11], "error alerts, throttled by the cooldown, and training goes on"
     calm = RolloutGuard(GuardConfig(max_quarantine_share=0.5))
-    assert calm.inspect(batch(0, [0]), step=1).stop_training is None  # 25 % is under the ceiling
+    assert calm.inspect(batch(0, [0, 1]), step=1).stop_training is None  # 25 % is under the ceiling
 
 
 def test_monitor_mode_breaker_alerts_and_training_goes_on():
-    """Issue 9 point 2: the circuit breaker's defaults (max_quarantine_share=0.5, on_ceiling="stop") must not stop
-    a monitor-mode run; it sends its error alert (throttled) instead."""
+    """The circuit breaker's defaults (max_quarantine_share=0.5, on_ceiling="stop") do not stop a monitor-mode run;
+    it sends its error alert (throttled) instead."""
     for on_ceiling in ("stop", "raise", "alert"):
         guard = RolloutGuard(GuardConfig(mode="monitor", on_ceiling=on_ceiling, alert_cooldown_steps=10))
-        reports = [guard.inspect(batch(s, [0, 1, 2]), step=s) for s in range(1, 13)]
+        reports = [guard.inspect(batch(s, [0, 1, 2, 3, 4, 5]), step=s) for s in range(1, 13)]
         assert all(r.stop_training is None for r in reports) and "stopped" not in guard.summary()
         breaker_steps = [r.step for r in reports if any(a.kind == "circuit_breaker" for a in r.alerts)]
         assert breaker_steps == [1, 11], on_ceiling
         assert "monitor mode: training goes on" in next(a for a in reports[0].alerts if a.kind == "circuit_breaker").text
     quarantining = RolloutGuard(GuardConfig(on_ceiling="raise"))  # the same batch in quarantine mode does stop
-    assert quarantining.inspect(batch(1, [0, 1, 2]), step=1).stop_training
+    assert quarantining.inspect(batch(1, [0, 1, 2, 3, 4, 5]), step=1).stop_training
 
 
 def test_a_check_flag_from_one_rank_reaches_every_rank():
-    """Issue 9 point 4: a caller's per-step check (the TRL adapter's advantage replica) travels in the one gather."""
+    """A caller's per-step check (the TRL adapter's advantage replica) travels in the one gather."""
     for flags, expected in (((False, True), [1]), ((False, False), []), ((True, True), [0, 1])):
         group = ThreadGroup(2)
         guards = [RolloutGuard(GuardConfig(), gather=group.gather_for(rank), process_index=rank) for rank in range(2)]
@@ -161,7 +169,7 @@ def test_a_check_flag_from_one_rank_reaches_every_rank():
 
         def run(rank: int, flags=flags, guards=guards, reports=reports) -> None:
             flag = torch.tensor(flags[rank]) if rank == 0 else flags[rank]  # a device tensor or a bool
-            reports[rank] = guards[rank].inspect(batch(rank, [1]), step=1, batch_size=4, check_failed=flag)
+            reports[rank] = guards[rank].inspect(batch(rank, [1]), step=1, batch_size=8, check_failed=flag)
 
         group.run(run)
         assert group.calls == [1, 1]
@@ -180,7 +188,7 @@ def test_check_flags_reach_every_rank_also_in_a_step_it_could_not_judge():
     def run(rank: int) -> None:
         evidence = batch(rank, []) if rank == 0 else RuntimeError("the support hook failed here")
         flags = torch.tensor(True) if rank == 0 else 2
-        reports[rank] = guards[rank].inspect(evidence, step=3, batch_size=4, check_failed=flags)
+        reports[rank] = guards[rank].inspect(evidence, step=3, batch_size=8, check_failed=flags)
 
     group.run(run)
     assert group.calls == [1, 1]
@@ -191,7 +199,7 @@ def test_check_flags_reach_every_rank_also_in_a_step_it_could_not_judge():
 
 
 def test_counts_stay_exact_above_float32_precision():
-    """Issue 9 point 8: 3 ranks × 5,592,407 compared tokens = 16,777,221 tokens in one histogram bin and in the
+    """3 ranks × 5,592,407 compared tokens = 16,777,221 tokens in one histogram bin and in the
     token count, one more than float32 can hold exactly (2^24 + 5 rounds to 2^24 + 4)."""
     tokens = 5_592_407
     evidence = RolloutEvidence(mask=torch.ones(1, tokens, dtype=torch.bool), engine_logprobs=torch.zeros(1, tokens),
@@ -225,14 +233,14 @@ class OnDevice(torch.Tensor):
 
 
 def test_one_host_sync_per_step():
-    """Issue 9 point 6: a guarded step brings values to the host once (the design), not once to check the
-    statuses and once more for the statistics."""
+    """A guarded step brings values to the host once (the design), not once to check the statuses and once more
+    for the statistics."""
     evidence = batch(3, [1])
     on_device = RolloutEvidence(mask=evidence.mask.as_subclass(OnDevice), engine_logprobs=evidence.engine_logprobs.as_subclass(OnDevice),
                                 trainer_logprobs=evidence.trainer_logprobs.as_subclass(OnDevice))
     for mode in ("quarantine", "monitor"):
         guard = RolloutGuard(GuardConfig(mode=mode))
         OnDevice.syncs = []
-        report = guard.inspect(on_device, step=1, batch_size=4, check_failed=torch.tensor(False).as_subclass(OnDevice))
+        report = guard.inspect(on_device, step=1, batch_size=8, check_failed=torch.tensor(False).as_subclass(OnDevice))
         assert OnDevice.syncs == ["cpu"], OnDevice.syncs
-        assert report.suspect.tolist() == [False, True, False, False] and type(report.samples) is torch.Tensor
+        assert report.suspect.tolist() == [row == 1 for row in range(8)] and type(report.samples) is torch.Tensor

@@ -14,7 +14,7 @@ from rollout_guard.sinks import LocalFilesSink
 
 
 def fill_run(directory):
-    config = GuardConfig(spike_delta=8.0)  # the spike alert fires above the token_spike ceiling
+    config = GuardConfig(ceiling_delta=8.0)  # the spike alert fires above the token_spike ceiling
     guard = RolloutGuard(config)
     sink = LocalFilesSink(directory, config)
     for step in range(1, 6):
@@ -25,8 +25,8 @@ def fill_run(directory):
                                                trainer_logprobs=trainer), step=step)
         if step == 3:
             sink.on_records([QuarantineRecord(
-                step=3, process_index=0, row=2, global_row=2, group_size=4, action="quarantined", rules=["token_spike"],
-                stats={"max_abs_delta": 11.9, "first_divergent_token": 0.0, "mean_abs_delta": 11.9}, prompt_ids=[1],
+                step=3, process_index=0, row=2, global_row=2, group_size=4, action="quarantined", rules=["score"],
+                stats={"max_abs_delta": 11.9, "onset_token": 0.0, "mean_abs_delta": 11.9}, prompt_ids=[1],
                 completion_ids=[5, 6, 7], prompt_text="<script>alert(1)</script>=", completion_text="a&b",
                 completion_tokens=["a", "&", "b"], engine_logprobs=[-0.1] * 3, trainer_logprobs=[-12.0] * 3, reward=0.5,
                 rewards_per_func={"r": 0.5}, advantage_before=0.3, advantage_after=0.0, sampling={}, model="m", engine={}, injected=True,
@@ -74,10 +74,11 @@ def test_report_skips_corrupt_lines_and_says_where(tmp_path):
 
 
 def test_a_stopped_run_says_so_in_the_report(tmp_path):
-    """Issue 9 point 12: a circuit-breaker stop must not look like success in `rollout-guard report`."""
+    """A circuit-breaker stop does not look like success in `rollout-guard report`: every row past the absolute
+    ceiling trips the breaker in the first step."""
     config = GuardConfig(max_quarantine_share=0.5)
     guard, sink = RolloutGuard(config), LocalFilesSink(tmp_path, config)
-    trainer = torch.full((4, 3), -12.0)
+    trainer = torch.full((4, 3), -30.0)
     report = guard.inspect(RolloutEvidence(mask=torch.ones(4, 3, dtype=torch.long), engine_logprobs=torch.full((4, 3), -0.1),
                                            trainer_logprobs=trainer), step=1)
     assert report.stop_training
@@ -96,8 +97,8 @@ def test_a_run_that_finished_has_no_stop_banner(tmp_path):
 
 def _statistics_only(step: int, row: int) -> QuarantineRecord:
     return QuarantineRecord(
-        step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["mean_drift"],
-        stats={"max_abs_delta": 99.0, "mean_abs_delta": 9.0, "first_divergent_token": 0.0}, prompt_ids=[], completion_ids=[],
+        step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["score"],
+        stats={"max_abs_delta": 99.0, "mean_abs_delta": 9.0, "onset_token": 0.0}, prompt_ids=[], completion_ids=[],
         prompt_text="", completion_text="", completion_tokens=[], engine_logprobs=None, trainer_logprobs=None, reward=0.1,
         rewards_per_func={"r": 0.1}, advantage_before=0.2, advantage_after=0.0, sampling={}, model="m", engine={},
         full_evidence=False,

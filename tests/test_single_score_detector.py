@@ -9,7 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_guard.detector import RULE_BIT, Detector, explain, healthy_noise, noise_of, row_scores
+from rollout_guard import RolloutEvidence, RolloutGuard
+from rollout_guard.detector import RULE_BIT, Detector, healthy_noise, noise_of, row_scores
+from rollout_guard.statistics import SAMPLE_COLUMNS
+from rollout_guard.verdict import explain, rule_names
 from rollout_guard.detector.noise import NUM_BINS, PRIOR_SCALE, token_histogram
 from rollout_guard.detector.score import NUM_REGIONS, later_log_ratio
 
@@ -174,12 +177,15 @@ def test_a_noise_that_grows_over_the_run_is_reported_against_its_early_level():
 def test_the_explanation_names_the_token_and_its_distance_in_noise_scales():
     engine, trainer, mask = healthy(4, 20, 0.05, seed=14)
     engine[2, 9], trainer[2, 9] = -0.2, -6.2
-    detector = Detector()
-    judgement = detector.judge(engine, trainer, mask)
-    line = explain(judgement, 2, engine[2], trainer[2], detector.threshold)
-    assert line.startswith("suspect: from token 9 (engine -0.2, trainer -6.2 nats)")
-    assert "over the threshold 6.9" in line
-    assert explain(judgement, 0, engine[0], trainer[0], detector.threshold).startswith("kept:")
+    report = RolloutGuard().inspect(RolloutEvidence(mask, engine, trainer), step=0)
+
+    def line(row: int) -> str:
+        stats = dict(zip(SAMPLE_COLUMNS, report.samples[row].tolist(), strict=True))
+        return explain(stats, rule_names(int(report.reasons[row])), report.threshold)
+
+    assert line(2).startswith("suspect: from token 9 (engine -0.2, trainer -6.2 nats) the engine favours it by 6")
+    assert "over the threshold 6.9" in line(2)
+    assert line(0).startswith("kept:") and "under the threshold" in line(0)
 
 
 def test_a_budget_outside_zero_and_one_is_refused():

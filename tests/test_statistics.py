@@ -3,19 +3,25 @@ import math
 import pytest
 import torch
 
-from rollout_guard.config import GuardConfig
+from rollout_guard import RolloutGuard
+from rollout_guard.detector import Detector
 from rollout_guard.evidence import RolloutEvidence
-from rollout_guard.statistics import (
-    COLUMN,
-    DELTA_BIN_EDGES,
-    NUM_DELTA_BINS,
-    delta_histogram,
-    histogram_quantile,
-    sample_statistics,
-    step_aggregates,
-)
+from rollout_guard.statistics import COLUMN, DELTA_BIN_EDGES, NUM_DELTA_BINS, histogram_quantile, summarise
 
 NAN = float("nan")
+
+
+def summarised(evidence: RolloutEvidence) -> tuple[torch.Tensor, torch.Tensor]:
+    judgement = Detector().judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask)
+    return summarise(evidence, judgement)
+
+
+def sample_statistics(evidence: RolloutEvidence) -> torch.Tensor:
+    return summarised(evidence)[0]
+
+
+def delta_histogram(evidence: RolloutEvidence) -> torch.Tensor:
+    return summarised(evidence)[1]
 
 
 def hand_case() -> RolloutEvidence:
@@ -32,7 +38,7 @@ def col(stats: torch.Tensor, name: str) -> list[float]:
 
 
 def test_hand_computed_rows():
-    stats = sample_statistics(hand_case(), GuardConfig())
+    stats = sample_statistics(hand_case())
     assert col(stats, "tokens") == [3, 3]
     assert col(stats, "compared_tokens") == [3, 2]
     assert col(stats, "max_abs_delta") == pytest.approx([2.0, 5.99], abs=1e-5)
@@ -45,8 +51,13 @@ def test_hand_computed_rows():
     assert col(stats, "engine_mean_logprob") == pytest.approx([-0.2, -0.015])
     assert col(stats, "trainer_max_logprob") == pytest.approx([-0.1, -0.02])
     assert col(stats, "trainer_mean_logprob") == pytest.approx([-2.6 / 3, -7.02 / 3])
-    assert col(stats, "confident_wrong_tokens") == [0, 1]
-    assert col(stats, "first_divergent_token") == [1, 0]
+    # where the disagreement starts: row 0's 2-nat trainer-favouring token, row 1's 6-nat engine-favouring one
+    assert col(stats, "onset_token") == [1, 0]
+    assert col(stats, "onset_engine_logprob") == pytest.approx([-0.2, -0.01])
+    assert col(stats, "onset_trainer_logprob") == pytest.approx([-2.2, -6.0])
+    assert col(stats, "noise_scale") == pytest.approx([0.25, 0.25], abs=0.01)  # about the prior: 5 tokens read
+    score = col(stats, "score")
+    assert score[1] > math.log(1000) > score[0]  # the engine-favouring 6 nats over the threshold, not the other
     assert col(stats, "nonfinite_engine_tokens") == [0, 1]
     assert col(stats, "nonfinite_trainer_tokens") == [0, 0]
     assert all(math.isnan(v) for v in col(stats, "injected"))
@@ -58,28 +69,30 @@ def test_padding_only_row_is_nan_not_zero():
         engine_logprobs=torch.tensor([[0.0, 0.0], [-0.5, 0.0]]),
         trainer_logprobs=torch.tensor([[0.0, 0.0], [-0.5, 0.0]]),
     )
-    stats = sample_statistics(evidence, GuardConfig())
+    stats = sample_statistics(evidence)
     assert col(stats, "tokens") == [0, 1]
     for name in ("max_abs_delta", "mean_abs_delta", "seq_log_ratio", "kl_k3", "engine_max_logprob", "engine_mean_logprob"):
         assert math.isnan(col(stats, name)[0]), name
     assert col(stats, "engine_max_logprob")[1] == pytest.approx(-0.5)
-    assert col(stats, "first_divergent_token") == [-1, -1]
+    assert col(stats, "onset_token")[0] == -1 and math.isnan(col(stats, "score")[0])
+    assert col(stats, "onset_token")[1] == 0
 
 
 def test_missing_engine_gives_confidence_only():
-    evidence = RolloutEvidence(mask=torch.ones(1, 3), trainer_logprobs=torch.tensor([[-0.1, -0.4, float("inf")]]))
-    evidence = RolloutEvidence(mask=torch.ones(1, 3, dtype=torch.long), trainer_logprobs=evidence.trainer_logprobs)
-    stats = sample_statistics(evidence, GuardConfig())
+    evidence = RolloutEvidence(mask=torch.ones(1, 3, dtype=torch.long),
+                               trainer_logprobs=torch.tensor([[-0.1, -0.4, float("inf")]]))
+    stats = sample_statistics(evidence)
     assert math.isnan(col(stats, "max_abs_delta")[0]) and math.isnan(col(stats, "engine_max_logprob")[0])
     assert col(stats, "trainer_max_logprob") == pytest.approx([-0.1])
     assert col(stats, "nonfinite_trainer_tokens") == [1]
     assert col(stats, "nonfinite_engine_tokens") == [0]
+    assert math.isnan(col(stats, "score")[0]) and col(stats, "onset_token") == [-1]
 
 
 def test_injected_labels_pass_through():
     evidence = hand_case()
     labelled = RolloutEvidence(evidence.mask, evidence.engine_logprobs, evidence.trainer_logprobs, injected=torch.tensor([True, False]))
-    assert col(sample_statistics(labelled, GuardConfig()), "injected") == [1.0, 0.0]
+    assert col(sample_statistics(labelled), "injected") == [1.0, 0.0]
 
 
 def test_histogram_counts_compared_tokens_in_the_right_bins():
@@ -105,15 +118,14 @@ def test_histogram_quantile_is_within_a_bin_of_the_truth():
     assert math.isnan(histogram_quantile(torch.zeros(NUM_DELTA_BINS), 0.99))
 
 
-def test_step_aggregates_weight_by_tokens_and_skip_nan():
-    stats = sample_statistics(hand_case(), GuardConfig())
-    metrics = step_aggregates(stats, delta_histogram(hand_case()))
+def test_step_metrics_weight_by_tokens_and_skip_nan():
+    metrics = RolloutGuard().inspect(hand_case(), step=0).metrics
     assert metrics["tokens"] == 6 and metrics["compared_tokens"] == 5
     assert metrics["max_abs_delta"] == pytest.approx(5.99, abs=1e-5)
     assert metrics["mean_abs_delta"] == pytest.approx((2.0 + 5.99) / 5, abs=1e-5)
     assert metrics["p99_abs_delta"] <= metrics["max_abs_delta"]
     assert metrics["engine_max_logprob"] == pytest.approx(-0.01)
     assert metrics["engine_mean_logprob"] == pytest.approx((-0.6 - 0.03) / 5)
-    assert metrics["confident_wrong_tokens"] == 1
     assert metrics["nonfinite_engine_tokens"] == 1
+    assert metrics["max_score"] > math.log(1000)
     assert math.isnan(metrics["injected"])

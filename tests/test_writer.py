@@ -121,20 +121,20 @@ def test_queue_size_is_checked(bad):
         BackgroundWriter(max_pending=bad)
 
 
-def _samples(max_delta: list[float]) -> torch.Tensor:
-    samples = torch.zeros(len(max_delta), len(SAMPLE_COLUMNS), dtype=torch.float64)
-    samples[:, COLUMN["max_abs_delta"]] = torch.tensor(max_delta, dtype=torch.float64)
+def _samples(score: list[float]) -> torch.Tensor:
+    samples = torch.zeros(len(score), len(SAMPLE_COLUMNS), dtype=torch.float64)
+    samples[:, COLUMN["score"]] = torch.tensor(score, dtype=torch.float64)
     return samples
 
 
-def test_worst_suspects_order_severity_then_delta_then_row():
+def test_worst_suspects_order_severity_then_score_then_row():
     bit = RULE_BIT
-    reasons = torch.tensor([bit["drift"], bit["token_spike"] | bit["drift"], 0, bit["nonfinite_trainer"], bit["drift"],
-                            bit["drift"], bit["directional_spike"]], dtype=torch.int32)
+    reasons = torch.tensor([bit["score"], bit["ceiling"] | bit["score"], 0, bit["nonfinite_trainer"], bit["score"],
+                            bit["score"], bit["ceiling"]], dtype=torch.int32)
     samples = _samples([9.0, 30.0, 100.0, float("nan"), 12.0, 12.0, 5.0])
-    assert severity_rank(reasons).tolist() == [RULES.index("drift"), RULES.index("token_spike"), len(RULES),
-                                               RULES.index("nonfinite_trainer"), 6, 6, RULES.index("directional_spike")]
-    # nonfinite first (NaN |Δ| does not matter), then the ceiling, then directional, then drift by |Δ|, ties by row
+    assert severity_rank(reasons).tolist() == [RULES.index("score"), RULES.index("ceiling"), len(RULES),
+                                               RULES.index("nonfinite_trainer"), 3, 3, RULES.index("ceiling")]
+    # nonfinite first (a NaN score does not matter), then the ceiling by score, then the score, ties by row
     assert worst_suspects(samples, reasons, 10).tolist() == [3, 1, 6, 4, 5, 0]
     assert worst_suspects(samples, reasons, 3).tolist() == [3, 1, 6]
     assert worst_suspects(samples, reasons, 0).tolist() == []
@@ -144,8 +144,8 @@ def test_worst_suspects_order_severity_then_delta_then_row():
 def test_worst_suspects_is_the_same_whatever_the_rows_order_of_arrival():
     generator = torch.Generator().manual_seed(0)
     reasons = (torch.randint(0, 1 << len(RULES), (500,), generator=generator) * (torch.rand(500, generator=generator) < 0.3)).int()
-    samples = _samples((torch.rand(500, generator=generator) * 20).round().tolist())  # many ties in |Δ|
+    samples = _samples((torch.rand(500, generator=generator) * 20).round().tolist())  # many ties in the score
     chosen = worst_suspects(samples, reasons, 40)
-    rank, delta = severity_rank(reasons), samples[:, COLUMN["max_abs_delta"]]
+    rank, delta = severity_rank(reasons), samples[:, COLUMN["score"]]
     keys = sorted((int(rank[row]), -float(delta[row]), row) for row in torch.nonzero(reasons).flatten().tolist())
     assert chosen.tolist() == [row for _, _, row in keys[:40]]

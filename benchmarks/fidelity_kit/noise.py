@@ -9,7 +9,7 @@ the result matches published figures of healthy runs. Sources:
 * TRL #6789: bf16, top_p = 1: 7.5 % of tokens have a probability ratio outside [0.9, 1.1] (|Δ| > 0.105).
 * TRL #7269: top_p = 0.8: 51.8 % of tokens outside [0.9, 1.1] (engine logprobs are renormalised over the
   top-p support, the trainer's are not).
-* This project's issue 10: ``top_k = 5`` on a barely trained, high-entropy policy put |Δ| ≈ 1.5 nats on every
+* Measured in this project: ``top_k = 5`` on a barely trained, high-entropy policy put |Δ| ≈ 1.5 nats on every
   token (the log of the probability mass outside the top 5).
 
 Model (``d = engine − trainer``, nats): a broad part, Gaussian with a scale that grows with the token's surprise,

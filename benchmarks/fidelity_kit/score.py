@@ -11,7 +11,8 @@ from benchmarks.fidelity_kit.rollouts import Rollouts, cat
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
-from rollout_guard.verdict import rule_firings
+from rollout_guard.statistics import COLUMN
+from rollout_guard.verdict import RULES
 
 GOAL_RECALL = 0.999  # of corrupted rollouts
 GOAL_FALSE_RATE = 0.001  # false quarantines per clean rollout
@@ -91,23 +92,18 @@ class Judged:
     label: list[list[str]] = field(default_factory=list)  # "clean" or the fault name, per row
     counted: list[torch.Tensor] = field(default_factory=list)  # (n,) bool: counts towards the figures
     tokens: list[torch.Tensor] = field(default_factory=list)  # (n,) tokens per row
-    drift: list[torch.Tensor] = field(default_factory=list)  # (n,) the drift threshold each row was judged with
+    threshold: list[torch.Tensor] = field(default_factory=list)  # (n,) the score threshold (ln Λ) of the row's step
     origin: list[torch.Tensor] = field(default_factory=list)  # (n,) long: the clean row judged (−1: a fault, unknown)
-    changepoint: list[torch.Tensor] = field(default_factory=list)  # (n,) the changepoint threshold (+inf: none)
 
     def add(self, samples: torch.Tensor, suspect: torch.Tensor, labels: list[str], counted: torch.Tensor,
-            tokens: torch.Tensor, drift_threshold: float | None = None, origin: torch.Tensor | None = None,
-            changepoint_threshold: float | None = None) -> None:
+            tokens: torch.Tensor, threshold: float, origin: torch.Tensor | None = None) -> None:
         self.samples.append(samples)
         self.origin.append(origin.long() if origin is not None else torch.full((len(labels),), -1, dtype=torch.long))
         self.suspect.append(suspect)
         self.label.append(labels)
         self.counted.append(counted)
         self.tokens.append(tokens)
-        self.drift.append(torch.full((len(labels),), math.inf if drift_threshold is None else drift_threshold,
-                                     dtype=torch.float64))
-        self.changepoint.append(torch.full((len(labels),), math.inf if changepoint_threshold is None
-                                           else changepoint_threshold, dtype=torch.float64))
+        self.threshold.append(torch.full((len(labels),), threshold, dtype=torch.float64))
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor, torch.Tensor]:
         labels = [label for step in self.label for label in step]
@@ -118,13 +114,43 @@ class Judged:
         """(N,) int64: the index of the clean row each judged row is (or was drawn from), −1 for faults."""
         return torch.cat(self.origin)
 
-    def drift_thresholds(self) -> torch.Tensor:
-        """(N,) float64 nats: the (calibrated) drift threshold each row was judged with."""
-        return torch.cat(self.drift)
+    def thresholds(self) -> torch.Tensor:
+        """(N,) float64 ln Λ: the score threshold each row was judged with (``StepReport.threshold``)."""
+        return torch.cat(self.threshold)
 
-    def changepoint_thresholds(self) -> torch.Tensor:
-        """(N,) float64 ln Λ: the ``changepoint`` threshold each row was judged with (+inf: not judged)."""
-        return torch.cat(self.changepoint)
+
+def firings(samples: torch.Tensor, threshold: torch.Tensor | float,
+            ceiling_delta: float | None) -> dict[str, torch.Tensor]:
+    """Which rules of :data:`rollout_guard.verdict.RULES` fire on each row, read back from its statistics
+    (:data:`rollout_guard.statistics.SAMPLE_COLUMNS`): a non-finite logprob on either side, a compared token's
+    |Δ| over ``ceiling_delta`` (``None``: off), the score over the row's ``threshold``. Compared in float32, as the
+    detector compares, so that the rules' union is the guard's verdict.
+
+    Args:
+        samples: (N, len(SAMPLE_COLUMNS)) per-row statistics (``StepReport.samples``).
+        threshold: (N,) or a scalar: the score threshold (ln Λ) each row was judged with.
+        ceiling_delta: nats, ``GuardConfig.ceiling_delta``.
+    Returns:
+        rule name → (N,) bool, in :data:`~rollout_guard.verdict.RULES` order.
+
+    >>> samples = torch.full((3, len(COLUMN)), float("nan"), dtype=torch.float64)
+    >>> samples[:, COLUMN["nonfinite_engine_tokens"]] = torch.tensor([0.0, 2.0, 0.0])
+    >>> samples[:, COLUMN["nonfinite_trainer_tokens"]] = 0.0
+    >>> samples[:, COLUMN["max_abs_delta"]] = torch.tensor([30.0, 0.1, 0.2])
+    >>> samples[:, COLUMN["score"]] = torch.tensor([40.0, float("nan"), 7.0])
+    >>> {rule: fired.tolist() for rule, fired in firings(samples, 6.9, 25.0).items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'nonfinite_engine': [False, True, False], 'nonfinite_trainer': [False, False, False],
+     'ceiling': [True, False, False], 'score': [True, False, True]}
+    """
+    column = {name: samples[:, COLUMN[name]] for name in
+              ("nonfinite_engine_tokens", "nonfinite_trainer_tokens", "max_abs_delta", "score")}
+    threshold = torch.as_tensor(threshold, dtype=torch.float32)
+    out = {"nonfinite_engine": column["nonfinite_engine_tokens"] > 0,
+           "nonfinite_trainer": column["nonfinite_trainer_tokens"] > 0,
+           "ceiling": (column["max_abs_delta"].float() > ceiling_delta if ceiling_delta is not None
+                       else torch.zeros(len(samples), dtype=torch.bool)),
+           "score": column["score"].float() > threshold}
+    return {rule: out[rule] for rule in RULES}
 
 
 def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, device: str = "cpu") -> RolloutEvidence:
@@ -135,14 +161,14 @@ def _evidence(rows: Rollouts, injected: torch.Tensor, judge_truncated: bool, dev
 
 def faults_in_step(share: float, rows: float, step: int, at_least_one: bool = False) -> int:
     """Faulty rows a stream feeds in its ``step``-th step (from 0) at ``share`` of ``rows``: ``round(share · rows)``
-    (with ``at_least_one``, never fewer than one, as phase 1 always fed), or, where ``share · rows`` is under half a
+    (with ``at_least_one``, never fewer than one, as phase 1 feeds), or, where ``share · rows`` is under half a
     row, one row every ``n = round(1 / (share · rows))`` steps, the steps ``step ≡ 0 (mod n)``:
 
     .. math:: f_k = \\begin{cases} \\operatorname{round}(s r) & s r \\ge 1/2 \\\\
               [k \\bmod \\operatorname{round}(1 / (s r)) = 0] & 0 < s r < 1/2 \\\\ 0 & s r = 0 \\end{cases}
 
-    AI21's rate, one prompt in a thousand, is a quarter of a row of a 256-row step: fed one a step it would be
-    0.39 %, four times the rate asked, and not at all in phase 2.
+    AI21's rate, one prompt in a thousand, is a quarter of a row of a 256-row step: one a step would be 0.39 %,
+    four times the rate asked.
 
     >>> [faults_in_step(0.02, 256, k, at_least_one=True) for k in range(3)]  # 5.12 a step
     [5, 5, 5]
@@ -167,11 +193,11 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
 
     Phase 1 streams every clean row once, in data order, ``step_rows`` per step, with ``fault_share`` of each step
     taken from the faulty pools (round-robin over fault kinds; below half a row a step, one row every few steps:
-    :func:`faults_in_step`), so calibration sees the fault rate asked; its
-    clean rows are the ones whose false quarantines count. A pooled stream (``clean.setting``) changes sampling
+    :func:`faults_in_step`), so that the detector learns its healthy noise at the fault rate asked; its clean rows
+    are the ones whose false quarantines count. A pooled stream (``clean.setting``) changes sampling
     setting between steps: phase 1 cuts its steps where the setting changes, and its faults are those sampled
     under the step's setting. With ``announce_sampling`` the guard is told each step's setting, as the TRL adapter
-    does every step (a change restarts its calibration).
+    does every step (a change starts its healthy noise over: ``RolloutGuard.reset_noise``).
 
     Phase 2 judges the remaining faulty rows setting by setting (the last one of phase 1 first): for each, while
     the guard has seen fewer than ``warmup_steps`` steps of that setting since it changed to it (a short condition,
@@ -180,12 +206,12 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
     apart, per judgement) but not counted with the unique ones. Every fault is counted, warm-up steps included.
 
     A quarter of faults per step is ~250 times the rate reported for real stale-state corruption (about one prompt
-    in a thousand), and the guard calibrates on the rows it keeps, so the faults it misses would feed its
-    calibration at that density. Unless ``dense_phase2``, each such step is therefore judged as it stands (those
+    in a thousand), and the detector learns its healthy noise from the rows it keeps, so the faults it misses would
+    feed that noise at this density. Unless ``dense_phase2``, each such step is therefore judged as it stands (those
     are the verdicts counted), then the guard's state is put back and the step judged again with only
     ``fault_share`` of faults among its clean rows (:func:`faults_in_step` again), which is what moves the guard
-    on: its calibration sees faults at the same rate as in phase 1. ``dense_phase2``: the guard moves on with the
-    whole step.
+    on: it learns from faults at the same rate as in phase 1. ``dense_phase2``: the guard moves on with the whole
+    step.
     """
     guard = make_guard(config) if make_guard is not None else RolloutGuard(config, device=device)
     judged = Judged()
@@ -196,7 +222,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
              for name in names for value in setting.unique().tolist()}
     cursors = dict.fromkeys(pools, 0)
     # one faulty row every few steps (faults_in_step) in both phases only where phase 1's share is under half a row:
-    # phase 2 alone may round to none, as every published --stitch 8 run had (0.64 a step, 0.49 beside the fill)
+    # where it is not, phase 2's share beside its fill rounds as it falls (e.g. 0.49 of a row: none)
     below_one = fault_share * step_rows < 0.5
     turn = 0
     step = 0
@@ -238,8 +264,7 @@ def replay(clean: Rollouts, faulty: dict[str, Rollouts], config: GuardConfig, ge
         state = guard.state_dict() if feed is not None else None
         report = guard.inspect(_evidence(rows, injected, not mask_truncated, device), step=step, sampling=sampling)
         origin = torch.cat([index, torch.full((len(labels) - len(fill),), -1, dtype=torch.long)])
-        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.drift_threshold, origin,
-                   report.changepoint_threshold)
+        judged.add(report.samples, report.suspect, labels, counted, rows.mask.sum(-1), report.threshold, origin)
         if state is not None:
             guard.load_state_dict(state)
             count = len(labels) - len(fill)  # spread over the step's faults (they come grouped by kind), turning
@@ -297,12 +322,12 @@ def _settings(rows: Rollouts) -> torch.Tensor:
 
 
 def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
-    """Recall per fault and false quarantines of clean rows, with Wilson intervals and PASS/FAIL, and which rules
-    fired on the false quarantines and which would have caught the faults; apart (``clean.resampled``), the false
-    quarantines among the judgements of resampled clean rows (each row judged again in later steps)."""
+    """Recall per fault and false quarantines of clean rows, with Wilson intervals and PASS/FAIL, and how many rows
+    each rule fired on (:func:`firings`: on the false quarantines, on the faults); apart (``clean.resampled``), the
+    false quarantines among the judgements of resampled clean rows (each row judged again in later steps)."""
     samples, verdict, labels, counted, tokens = judged.rows()
     origin = judged.origins()
-    firings = rule_firings(samples, config, judged.drift_thresholds(), judged.changepoint_thresholds())
+    fired = firings(samples, judged.thresholds(), config.ceiling_delta)
     out: dict[str, dict] = {}
     for name in sorted(set(labels)):
         rows = torch.tensor([label == name for label in labels]) & counted
@@ -314,7 +339,7 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
             out[name] = {"rows": total, "tokens": clean_tokens, "false": flagged, "false_rate": flagged / max(total, 1),
                          "ci": [low, high], "false_per_m_tokens": flagged / max(clean_tokens, 1) * 1e6,
                          "pass": flagged / max(total, 1) <= GOAL_FALSE_RATE, "ci_pass": high <= GOAL_FALSE_RATE,
-                         "rules": {rule: int((fired & rows).sum()) for rule, fired in firings.items() if (fired & rows).any()}}
+                         "rules": {rule: int((rule_fired & rows).sum()) for rule, rule_fired in fired.items() if (rule_fired & rows).any()}}
             again = torch.tensor([label == name for label in labels]) & ~counted  # resampled clean rows
             rate, rate_low, rate_high, effective = clustered_rate(verdict[again], origin[again])
             distinct = origin[again].unique()
@@ -324,11 +349,11 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
                                       "false_rate": rate, "ci": [rate_low, rate_high], "effective": effective,
                                       "rows": len(distinct), "rows_flagged": len(ever),
                                       "rows_flagged_ci": [row_low, row_high],
-                                      "rules": {rule: int((fired & again & verdict).sum())
-                                                for rule, fired in firings.items() if (fired & again & verdict).any()}}
+                                      "rules": {rule: int((rule_fired & again & verdict).sum())
+                                                for rule, rule_fired in fired.items() if (rule_fired & again & verdict).any()}}
         else:
             low, high = wilson(flagged, total)
             out[name] = {"rows": total, "caught": flagged, "recall": flagged / max(total, 1), "ci": [low, high],
                          "pass": flagged / max(total, 1) >= GOAL_RECALL, "ci_pass": low >= GOAL_RECALL,
-                         "rules": {rule: int((fired & rows).sum()) for rule, fired in firings.items() if (fired & rows).any()}}
+                         "rules": {rule: int((rule_fired & rows).sum()) for rule, rule_fired in fired.items() if (rule_fired & rows).any()}}
     return out

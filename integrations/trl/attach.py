@@ -30,7 +30,7 @@ from rollout_guard.integrations.trl.engine_context import (EngineContextCollecto
     add_context_to_records)
 from rollout_guard.integrations.trl.records import build_records, decode_records
 from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, sampling_settings
-from rollout_guard.integrations.trl.support import SupportCapture, cuts_support, describe, support_settings
+from rollout_guard.integrations.trl.support import SupportCapture, describe, support_settings
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.selection import worst_suspects
 from rollout_guard.sinks import LocalFilesSink, Sink
@@ -145,9 +145,6 @@ class TrlGuard:
         # the trainer's log-mass of the engine's top-k/top-p/min-p support, from the pass that scores the tokens
         support = support_settings(trainer) if two_sided and self.config.compare_on_engine_support else None
         self.support = SupportCapture(trainer, support) if support is not None else None
-        # the changepoint rule takes each bucket's noise as one Gaussian: not where a cut support's offset, varying
-        # from token to token, stays in the trainer's logprobs
-        self.guard.calibration.per_token_offset = two_sided and self.support is None and cuts_support(trainer)
         self._support_mass: torch.Tensor | None = None  # (B, K) of TRL's own pass this step
         # rows, tokens, seconds of the latest truncated-row pass
         self.last_truncated_pass: dict[str, float] | None = None
@@ -514,23 +511,21 @@ class TrlGuard:
 
     def _comparison(self, trainer: Any) -> tuple[str, ...]:
         """What the guard compares, handed to it each step as the sampling settings are: a change of either starts
-        the calibration over (:meth:`RolloutGuard.inspect`), and both are saved with checkpoints, so that a run
+        the detector's noise over (:meth:`RolloutGuard.inspect`), and both are saved with checkpoints, so that a run
         resumed on another basis (on the engine's support again after the hook failed, or no longer) does too."""
         return (*sampling_settings(trainer), f"on_engine_support={self.support is not None}")
 
     def _stop_comparing_on_support(self, report: StepReport) -> None:
         """The support hook failed on some process (its log Z was 0 there), which that process's flag in the step's
         gather says: the step was not judged (a failure, counted on every process), and from the next step every
-        process compares off the support, the offset left to a calibration started over (:meth:`_comparison`;
-        centres learned on the support flag healthy rows off it: 12 of 256 in the failing step of a TRL run at top_k
-        = 5, and on calibrated synthetic batches the circuit breaker stopped training at once). The same on every
+        process compares off the support, the offset left to the detector's centres, its noise started over
+        (:meth:`_comparison`: noise learned on the support would flag healthy rows off it). The same on every
         process: the ranks' flags are."""
         ranks = report.flagged_on(SUPPORT_CHECK)
         self.support, self._support_mass = None, None
-        self.guard.calibration.per_token_offset = True  # the offset stays: the changepoint rule stops judging
         logger.warning("rollout_guard: the trainer's log-mass of the engine's support (compare_on_engine_support) "
                        "could not be computed on process(es) %s at step %s, which passed unguarded; from the next step "
-                       "the guard compares off the support, the calibration started over to absorb the offset",
+                       "the guard compares off the support, its noise started over to learn the offset",
                        ranks, report.step)
 
     def _trainer_logprobs(self, batch: dict[str, Any], completion_attention: torch.Tensor,

@@ -15,7 +15,7 @@ from rollout_guard.integrations.trl.batch import require
 from rollout_guard.integrations.trl.versions import version, vllm_version
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
-from rollout_guard.verdict import rule_names
+from rollout_guard.verdict import explain, rule_names
 
 
 def decode_records(records: list[QuarantineRecord], tokenizer: Any) -> list[QuarantineRecord]:
@@ -52,8 +52,8 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
     start = report.local_rows.start
     full = [row for row in rows if full_rows is None or start + row in full_rows]
     index = torch.tensor(rows, device=evidence.device)
-    # first_divergent_token is a position in the padded row; records count loss-mask tokens only: tokens before it
-    first = report.samples[[start + row for row in rows], COLUMN["first_divergent_token"]]
+    # onset_token is a position in the padded row; records count loss-mask tokens only: tokens before it
+    first = report.samples[[start + row for row in rows], COLUMN["onset_token"]]
     counted = torch.nn.functional.pad(evidence.mask[index].long().cumsum(dim=1), (1, 0))
     position = torch.nan_to_num(first, nan=-1.0).clamp(min=0).long().clamp(max=counted.shape[1] - 1).to(counted.device)
     tokens_before = counted.gather(1, position.view(-1, 1)).flatten().cpu()
@@ -101,14 +101,15 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
     for position, row in enumerate(rows):
         global_row = start + row
         stats = dict(zip(SAMPLE_COLUMNS, report.samples[global_row].tolist(), strict=True))
-        if stats.get("first_divergent_token") is not None and stats["first_divergent_token"] >= 0:
-            stats["first_divergent_token"] = float(tokens_before[position])
+        if stats.get("onset_token") is not None and stats["onset_token"] >= 0:
+            stats["onset_token"] = float(tokens_before[position])
+        rules = rule_names(int(report.reasons[global_row]))
         reward_row = reward_rows[global_row] if reward_rows is not None else None
         records.append(
             QuarantineRecord(
                 step=report.step, process_index=process_index, row=row, global_row=global_row,
                 group_size=trainer.num_generations, action=action,
-                rules=rule_names(int(report.reasons[global_row])), stats=stats,
+                rules=rules, stats=stats, explanation=explain(stats, rules, report.threshold),
                 **tokens_of.get(row, no_tokens),
                 reward=None if reward_row is None or bool(reward_row.isnan().all())
                        else float((reward_row * weights).nansum()),

@@ -82,6 +82,7 @@ def processed_logprobs_warning(trainer: Any) -> str | None:
     if not changes:
         return None
     return ("rollout_guard: the engine reports logprobs after " + "; ".join(changes) + ", while the trainer applies "
-            "only the temperature. Clean samples then differ by that much on every token: expect mean_drift and "
-            "token_spike to fire more (raise mean_delta/spike_delta accordingly, or sample with top_p=1, top_k=0, "
-            "no penalties); measure clean |Δ| at these settings before relying on the default thresholds.")
+            "only the temperature. Clean samples then differ by that much on every token, varying from token to token; "
+            "the detector learns the offset as each confidence region's centre, but a penalty or logit bias can move "
+            "single tokens far enough to be flagged: sample without them, or measure clean rollouts at these "
+            "settings first (rollout-guard audit).")

@@ -9,7 +9,7 @@ vocabulary per completion token (:func:`support_settings` says which settings it
 
 Per token, the hook also recomputes the trainer's logprob of the sampled token from the same logits; where it
 differs from TRL's by more than :data:`AGREEMENT` (a logit transform this module does not know), that token's
-``log Z`` is 0, i.e. the guard sees the uncorrected logprob there and its calibration absorbs the offset as it does
+``log Z`` is 0, i.e. the guard sees the uncorrected logprob there and its detector's centres absorb the offset as they do
 without this module. No host sync.
 """
 
@@ -31,7 +31,7 @@ _CUTS = ("top_p=", "top_k=", "min_p=")  # the support_changes entries this modul
 
 def support_settings(trainer: Any) -> tuple[int, float, float] | None:
     """``(top_k, top_p, min_p)`` when the engine's support is cut by top-k (with or without top-p and min-p) or by
-    min-p alone; None otherwise, and the calibration absorbs the offset as before: when nothing is cut; when
+    min-p alone; None otherwise, and the detector's centres absorb the offset: when nothing is cut; when
     something else changes the engine's logits too (penalties, guided decoding, logit bias: the trainer's logits
     are not the engine's there, so its ``log Z`` of them would not be the engine's); and under top-p without
     top-k, whose offset is at most ``−log top_p`` (0.105 nats at 0.9) while its ``log Z`` needs a sort of the

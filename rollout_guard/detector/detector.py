@@ -47,6 +47,16 @@ class Detector:
         false_alarm_budget: the share of healthy rows the score may flag, α; the threshold is ``ln(1/α)``.
         ceiling: nats: a token with |engine − trainer| above it flags its row whatever the noise (``None``: off).
         device: where the state lives (the logprobs' device).
+
+    >>> detector = Detector()
+    >>> engine = torch.full((3, 20), -0.1); trainer = engine - 0.02
+    >>> trainer[1, 7] = -9.3  # one token the engine favours by 9.2 nats
+    >>> judgement = detector.judge(engine, trainer, torch.ones(3, 20, dtype=torch.bool))
+    >>> judgement.suspect.tolist(), judgement.onset[1].item()
+    ([False, True, False], 7)
+    >>> detector.update(judgement.kept_counts)  # summed over processes first, with several
+    >>> detector.counts.sum().item()  # the kept rows' tokens
+    40.0
     """
 
     STATE = {"counts": (NUM_REGIONS, NUM_BINS), "early_scale": (NUM_REGIONS,)}
@@ -67,6 +77,13 @@ class Detector:
         for name, shape in self.STATE.items():
             setattr(self, name, torch.zeros(shape, dtype=torch.float64, device=self.device))
 
+    def to(self, device: torch.device | str) -> Detector:
+        """Move the state to ``device`` (in place; returns self)."""
+        self.device = torch.device(device)
+        for name in self.STATE:
+            setattr(self, name, getattr(self, name).to(self.device))
+        return self
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name).detach().cpu().clone() for name in self.STATE}
 
@@ -81,15 +98,20 @@ class Detector:
         """The run's healthy noise so far (kept rows only), shrunk towards the prior."""
         return healthy_noise(self.counts)
 
-    def judge(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> Judgement:
-        """Judge (B, T) engine and trainer logprobs (nats) over the (B, T) loss mask; no host sync.
+    def judge(self, engine: torch.Tensor | None, trainer: torch.Tensor | None, mask: torch.Tensor) -> Judgement:
+        """Judge (B, T) engine and trainer logprobs (nats) over the (B, T) loss mask; no host sync. With one side
+        missing (``None``) only the other's non-finite values are judged: nothing is compared.
 
         The noise is the run's with this batch's tokens added (the scale reads their trainer-favouring side, which
         corruption mostly does not reach), so that a run broken from its first step is judged against its own
         noise."""
         mask = mask.bool()
+        both = engine is not None and trainer is not None
+        present = engine if engine is not None else trainer
+        engine = engine if engine is not None else torch.zeros_like(present)
+        trainer = trainer if trainer is not None else torch.zeros_like(present)
         finite_engine, finite_trainer = torch.isfinite(engine), torch.isfinite(trainer)
-        read = mask & finite_engine & finite_trainer
+        read = mask & finite_engine & finite_trainer & both
         engine_read = torch.where(read, engine, torch.zeros_like(engine))
         delta = engine_read - torch.where(read, trainer, torch.zeros_like(trainer))
         region = region_of(engine_read)
@@ -98,7 +120,8 @@ class Detector:
         x = delta - noise.centre.to(delta.dtype)[region]
         scale = noise.scale.to(delta.dtype)[region]
         # an engine-favouring token's evidence is capped by the trainer-favouring side of the run and this batch
-        # (corruption does not reach it), a trainer-favouring one's by the engine-favouring side of kept rows
+        # (corruption does not reach it), a trainer-favouring one's by the engine-favouring side of kept rows (a
+        # batch's corrupted rows would cap the others')
         mirrored = noise._replace(centre=-noise.centre)
         cap = torch.where(x > 0, tail_rarity(counts, noise, region, x),
                           tail_rarity(self.counts.flip(1), mirrored, region, x))
@@ -126,33 +149,3 @@ class Detector:
         return torch.where(self.early_scale > 0, now / self.early_scale.clamp(min=1e-30),
                            torch.full_like(now, math.nan))
 
-
-def explain(judgement: Judgement, row: int, engine: torch.Tensor, trainer: torch.Tensor, threshold: float) -> str:
-    """One sentence on why a row was judged as it was, in the user's words.
-
-    >>> detector = Detector()
-    >>> engine = torch.full((1, 20), -0.1); trainer = engine.clone(); engine[0, 7] = -3.5; trainer[0, 7] = -12.7
-    >>> j = detector.judge(engine, trainer, torch.ones(1, 20, dtype=torch.bool))
-    >>> print(explain(j, 0, engine[0], trainer[0], detector.threshold))
-    suspect: from token 7 (engine -3.5, trainer -12.7 nats) the engine favours it by 9.2 nats, 37 times this run's healthy noise (0.25 nats); score 25.5 over the threshold 6.9
-    """
-    reasons = int(judgement.reasons[row])
-    if reasons & (RULE_BIT["nonfinite_engine"] | RULE_BIT["nonfinite_trainer"]):
-        side = "engine" if reasons & RULE_BIT["nonfinite_engine"] else "trainer"
-        return f"suspect: a NaN or infinite {side} logprob"
-    onset = int(judgement.onset[row])
-    if onset < 0:
-        return "kept: no token to compare"
-    score = float(judgement.score[row])
-    e, t = float(engine[onset]), float(trainer[onset])
-    region = int(region_of(engine[onset:onset + 1].float())[0])
-    scale = float(judgement.noise.scale[region])
-    verdict = "suspect" if reasons else "kept"
-    where = "over" if score > threshold else "under"
-    side = "engine" if e >= t else "trainer"
-    line = (f"{verdict}: from token {onset} (engine {e:.3g}, trainer {t:.3g} nats) the {side} favours it by "
-            f"{abs(e - t):.2g} nats, {abs(e - t) / scale:.0f} times this run's healthy noise ({scale:.2g} nats); "
-            f"score {score:.1f} {where} the threshold {threshold:.1f}")
-    if reasons & RULE_BIT["ceiling"]:
-        line += "; a token beyond the absolute ceiling"
-    return line

@@ -29,14 +29,18 @@ current stacks lies well inside it (mean |Δ log p| 0.064, a long response's max
 PRIOR_TOKENS = 1000.0
 """tokens: the weight of the prior in each region's histogram (a region's own noise dominates after a few thousand)."""
 CENTRE_TOKENS = 50.0
-"""tokens: the weight of the median of all regions' tokens in a region's centre."""
+"""tokens: the weight of the centre of all regions' tokens in a region's centre."""
+CENTRE_WINDOW = 0.5
+"""nats: the half-width of the window whose densest position gives the centre (:func:`centre_of`): wider than healthy
+bf16 noise and a top-k offset's spread about its mode, narrower than the nats a corrupted engine spreads over."""
+CENTRE_RANGE = 16.0  # nats: where the centre may lie
 MIN_TAIL = 10.0
 """tokens: the scale is fitted to the trainer-favouring tail only at depths where at least this many lie beyond."""
 SCALE_FLOOR = 0.01  # nats: the least scale read (bitwise-identical stacks have none; bf16 rounding is ~0.004)
 
 
 class Noise(NamedTuple):
-    centre: torch.Tensor  # (NUM_REGIONS,) nats: the median of d
+    centre: torch.Tensor  # (NUM_REGIONS,) nats: the centre of d (centre_of)
     scale: torch.Tensor  # (NUM_REGIONS,) nats: the Laplace scale that bounds the trainer-favouring tail
     tokens: torch.Tensor  # (NUM_REGIONS,) tokens read
 
@@ -86,7 +90,7 @@ def _cdf(counts: torch.Tensor, at: torch.Tensor, row: torch.Tensor | None = None
 def noise_of(counts: torch.Tensor) -> Noise:
     """The healthy noise a histogram shows, per region.
 
-    The centre ``μ`` is the median of ``d``. The scale is the least Laplace scale whose tail covers the
+    The centre ``μ`` is :func:`centre_of` the histogram. The scale is the least Laplace scale whose tail covers the
     trainer-favouring tail at every depth ``u`` where at least :data:`MIN_TAIL` tokens, and at most a share ``1/e``
     of that side, lie beyond it (the tail, where a small shift of the median moves little):
 
@@ -102,7 +106,7 @@ def noise_of(counts: torch.Tensor) -> Noise:
     """
     counts = counts.double()
     total = counts.sum(1, keepdim=True)
-    centre = _median(counts, total)
+    centre = centre_of(counts)
     depths = torch.tensor([v for v in EDGES if v > 0], dtype=counts.dtype, device=counts.device)
     at = centre.unsqueeze(1) - depths  # (R, U)
     beyond = _cdf(counts, at)
@@ -113,18 +117,47 @@ def noise_of(counts: torch.Tensor) -> Noise:
     return Noise(centre=centre, scale=scale, tokens=total.squeeze(1))
 
 
-def _median(counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """(R,) the median of each region's histogram, linear within its bin."""
+def _inverse_cdf(counts: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """(R,) the point of each region's histogram with ``mass`` (R,) tokens at or below it, linear within its bin."""
     edges = _edges(counts.dtype, str(counts.device))
     cum = counts.cumsum(1)
-    half = 0.5 * total
-    k = (cum < half).sum(1, keepdim=True).clamp(max=NUM_BINS - 1)  # the bin holding the median
-    before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(half))
+    mass = mass.unsqueeze(1)
+    k = (cum < mass).sum(1, keepdim=True).clamp(max=NUM_BINS - 1)  # the bin holding that mass
+    before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(mass))
     inside = counts.gather(1, k)
     lo, hi, inner = _bounds(k, edges)
-    share = ((half - before) / inside.clamp(min=1e-300)).clamp(0, 1)
+    share = ((mass - before) / inside.clamp(min=1e-300)).clamp(0, 1)
     value = torch.where(inner, lo + share * (hi - lo), torch.where(k == 0, hi, lo))
     return value.squeeze(1)
+
+
+@functools.cache
+def _candidates(dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.tensor([v for v in EDGES if abs(v) <= CENTRE_RANGE], dtype=dtype).to(device)
+
+
+def centre_of(counts: torch.Tensor) -> torch.Tensor:
+    """(R,) the centre of each region's healthy noise: the median of the tokens in the densest window of
+    ``±``:data:`CENTRE_WINDOW` nats (0 for an empty region).
+
+    Healthy tokens crowd about the centre (bf16 noise is a few hundredths of a nat; a top-k cut's offset varies by a
+    few tenths), while a corrupted engine's disagreements spread over nats. So the densest window stays on the
+    healthy tokens even where corrupted tokens outnumber them, which a plain median does not: a run whose engine is
+    broken on most rows from its first step is still judged about its healthy centre.
+
+    >>> _ = torch.manual_seed(0)
+    >>> d = torch.cat([0.3 + 0.02 * torch.randn(1, 300), 2.0 + 10.0 * torch.rand(1, 700)], dim=1)  # 70 % spread far
+    >>> counts = histogram(d, torch.zeros_like(d, dtype=torch.long), torch.ones_like(d, dtype=torch.bool))
+    >>> round(centre_of(counts)[0].item(), 1), round(_inverse_cdf(counts, 0.5 * counts.sum(1))[0].item())  # the median
+    (0.3, 5)
+    """
+    counts = counts.double()
+    at = _candidates(counts.dtype, str(counts.device)).expand(counts.shape[0], -1)  # (R, K)
+    low, high = _cdf(counts, at - CENTRE_WINDOW), _cdf(counts, at + CENTRE_WINDOW)
+    best = (high - low).argmax(1, keepdim=True)  # the densest window's midpoint
+    low, high = low.gather(1, best).squeeze(1), high.gather(1, best).squeeze(1)
+    centre = _inverse_cdf(counts, 0.5 * (low + high))
+    return torch.where(counts.sum(1) > 0, centre, torch.zeros_like(centre))
 
 
 def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_tokens: float = PRIOR_TOKENS) -> Noise:
@@ -132,9 +165,10 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     towards it by weight, a wider one is taken as it is, ``b = max((n₀ b₀ + n b̂) / (n + n₀), b̂)`` with ``n`` tokens
     in the region. A region with few quiet tokens is judged at about the prior's scale, one whose tokens show wider
     noise at that width from its first step; after a few thousand quiet tokens their own reading dominates. The
-    centre has no prior (a top-p or top-k cut moves it by up to a few nats): it is the region's median shrunk towards the median of every region's tokens, ``μ = (n μ̂ + n_c μ̂_all) /
-    (n + n_c)`` with ``n_c`` = :data:`CENTRE_TOKENS`, so that a region's few tokens never centre themselves (a single
-    corrupted token would be its own median).
+    centre has no prior (a top-p or top-k cut moves it by up to a few nats): it is the region's own
+    (:func:`centre_of`) shrunk towards that of every region's tokens, ``μ = (n μ̂ + n_c μ̂_all) / (n + n_c)`` with
+    ``n_c`` = :data:`CENTRE_TOKENS`, so that a region's few tokens never centre themselves (a single corrupted token
+    would be its own centre).
 
     >>> empty = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
     >>> healthy_noise(empty).scale.tolist() == [PRIOR_SCALE] * NUM_REGIONS
@@ -143,8 +177,7 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     own = noise_of(counts)
     weight = own.tokens / (own.tokens + prior_tokens)
     pooled = counts.sum(0, keepdim=True)
-    total = pooled.sum(1, keepdim=True)
-    everywhere = torch.where(total.squeeze(1) > 0, _median(pooled, total), torch.zeros_like(total.squeeze(1)))
+    everywhere = centre_of(pooled)
     centre = (own.tokens * own.centre + CENTRE_TOKENS * everywhere) / (own.tokens + CENTRE_TOKENS)
     shrunk = weight * own.scale + (1 - weight) * prior_scale
     return Noise(centre=centre, scale=torch.maximum(shrunk, own.scale), tokens=own.tokens)

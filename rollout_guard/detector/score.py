@@ -122,7 +122,7 @@ def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: to
     >>> s.onset[1].item(), round(s.excess[1].item(), 1)
     (12, 36.8)
     """
-    if x.shape[-1] == 0:
+    if x.shape[-1] == 0 or x.shape[0] == 0:
         none = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         return RowScores(none - math.inf, none.long() - 1, none + math.nan)
     rows = max(1, CHUNK_ELEMENTS // max(x.shape[-1] * len(LAGS), 1))

@@ -52,19 +52,18 @@ SCENARIOS = {
     # the engine-level fault of vLLM PR #32118 (stale Mamba state read by a new 1-token request) in TRL's colocate
     # engine, tiny Mamba2 model (engine bf16, trainer fp32); learning rate 0, so that the re-scoring with the
     # initial weights is the ground truth of every step. The control: the same engine settings, no fault. 48
-    # rollouts a step (~330 completion tokens), so that the batch holds enough tokens of a bucket for the
-    # changepoint rule to read it around the batch's own noise (statistics.BATCH_CENTRE_MIN_TOKENS)
+    # rollouts a step (~330 completion tokens)
     "stale_state": dict(mode="quarantine", rate=None, lr=0.0, config={"per_device_train_batch_size": 48}),
     "stale_state_control": dict(mode="quarantine", rate=None, lr=0.0, config={"per_device_train_batch_size": 48}),
     "single_group": dict(mode="quarantine", rate=0.5, lr=5e-4, config={"per_device_train_batch_size": 4}),
-    # spike_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
+    # ceiling_delta=8: the copy model's corruption (10–17 nats) stays under the default 25-nat ceiling, and this
     # scenario checks that both alert kinds reach the trackers
     # a fault that depends on engine state: rollouts are corrupted only once the engine has had 3 weight syncs;
     # engine stats on (per-request times, KV-cache usage, running requests); a KV cache of 6 blocks (128 tokens each
     # on CPU, one per request here) so that requests queue and the cache fills
     "engine_state": dict(mode="quarantine", rate=0.5, lr=5e-4, config={}, after_weight_syncs=3, engine_stats=True,
                          engine_kwargs={"num_gpu_blocks_override": 6}),
-    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4, guard={"spike_delta": 8.0}, engine_stats=True,
+    "trackers": dict(mode="quarantine", rate=0.3, lr=5e-4, guard={"ceiling_delta": 8.0}, engine_stats=True,
                      config={"report_to": ["wandb", "trackio"], "project": "rollout-guard-test", "run_name": "trackers"}),
 }
 

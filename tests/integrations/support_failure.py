@@ -40,10 +40,9 @@ def main(model_dir: str, out: str) -> None:
     steps = [{"skipped": s.report.skipped, "suspect": s.report.suspect, "check_flags": s.report.check_flags,
               "metrics": {k: v for k, v in s.report.metrics.items() if not k.endswith("seconds")},
               "evidence": s.evidence} for s in guarded.steps]
-    calibration = guarded.guard.calibration
     torch.save({"rank": state.process_index, "steps": steps, "failures": guarded.guard.totals.failures,
-                "support": guarded.support is not None, "per_token_offset": calibration.per_token_offset,
-                "resets": guarded.guard.calibration_resets, "state": guarded.guard.state_dict()},
+                "support": guarded.support is not None,
+                "resets": guarded.guard.noise_resets, "state": guarded.guard.state_dict()},
                Path(out) / f"rank{state.process_index}.pt")
     state.wait_for_everyone()
 

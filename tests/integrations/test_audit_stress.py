@@ -23,6 +23,12 @@ CLEAN_NOISE = 0.5  # nats: bf16 engine vs fp32 transformers on clean Mamba2 roll
 STRESS = ["--stress", "--dtype", "bfloat16", "--trainer-dtype", "float32", "--max-tokens", "12", "--rounds", "2"]
 
 
+
+def first_divergent(record: QuarantineRecord, nats: float = 1.0) -> int:
+    """The first completion token whose |engine − trainer| exceeds ``nats`` in a record's own logprobs (−1: none)."""
+    pairs = zip(record.engine_logprobs or [], record.trainer_logprobs or [], strict=False)
+    return next((i for i, (e, t) in enumerate(pairs) if e is not None and t is not None and abs(e - t) > nats), -1)
+
 def cli(*args: str, fault: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
     module = "rollout_guard.integrations.testing_faults" if fault else "rollout_guard.cli"
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
@@ -62,7 +68,7 @@ def test_stale_state_fault_makes_audit_stress_exit_1_and_list_the_samples(with_f
     # than 8 nats from its first token (the stale state is read at token 0). How many samples the fault corrupts,
     # and how strongly, depends on the engine's scheduling and the CPU's kernels.
     assert all(record.stats["max_abs_delta"] > CLEAN_NOISE for record in records)
-    assert any(record.stats["max_abs_delta"] > 8.0 and record.stats["first_divergent_token"] == 0 for record in records)
+    assert any(record.stats["max_abs_delta"] > 8.0 and first_divergent(record) == 0 for record in records)
 
 
 def test_shipped_engine_agrees_on_the_same_prompts_and_stress(tmp_path, mamba2_dir, copy_prompts):
@@ -98,7 +104,7 @@ def test_replay_names_the_patterns(tmp_path, with_fault):
     """Real stale-state records, and records edited from them into the other shapes, through one `replay --all`."""
     _, out = with_fault
     records = list(read_records(out / "quarantine"))
-    from_start = [r for r in records if r.stats["first_divergent_token"] == 0]
+    from_start = [r for r in records if first_divergent(r) == 0]
     assert from_start, "no sample corrupted from token 0: the fault left no stale-state record to replay"
 
     def high_share(record: QuarantineRecord) -> float:
@@ -140,7 +146,7 @@ def test_replay_names_every_token_when_a_fresh_engine_with_the_engine_weights_re
     prompt = tokenizer("hello=", add_special_tokens=False)["input_ids"]
     completion = tokenizer("hello", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     record = QuarantineRecord(
-        step=3, process_index=0, row=0, global_row=0, group_size=1, action="quarantined", rules=["mean_drift"], stats={},
+        step=3, process_index=0, row=0, global_row=0, group_size=1, action="quarantined", rules=["score"], stats={},
         prompt_ids=prompt, completion_ids=completion, prompt_text="hello=", completion_text="hello</s>",
         completion_tokens=[tokenizer.decode([t]) for t in completion], engine_logprobs=[-3.4] * len(completion),
         trainer_logprobs=[-0.01] * len(completion), reward=None, rewards_per_func={}, advantage_before=None,

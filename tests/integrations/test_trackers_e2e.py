@@ -39,8 +39,9 @@ def test_true_per_step_values_with_train_global_step(trackers):
     local = guard_rows(trackers)
     assert [item["train/global_step"] for item in ours] == [row["step"] for row in local] == [1, 2, 3, 4]
     for item, row in zip(ours, local, strict=True):
-        for key in ("max_abs_delta", "p99_abs_delta", "quarantined", "quarantined_share", "confident_wrong_tokens",
-                    "engine_max_logprob", "nonfinite_engine_tokens", "rule/token_spike"):
+        for key in ("max_abs_delta", "p99_abs_delta", "quarantined", "quarantined_share", "max_score",
+                    "engine_max_logprob", "nonfinite_engine_tokens", "rule/score", "score_threshold",
+                    "noise/scale_r3"):
             assert item[f"rollout_guard/{key}"] == pytest.approx(row[key]), key
         # the engine's state next to the mismatch (engine stats on in this scenario)
         for key in ("engine/weight_version", "engine/kv_cache_usage_max", "engine/running_requests_max", "engine/prefix_cache_hit_share"):
@@ -91,6 +92,8 @@ def test_quarantine_table_rows_hold_the_decoded_text(trackers):
         assert cell["prompt"] == record.prompt_text and cell["prompt"].endswith("=")
         assert cell["completion"] == record.completion_text and cell["injected"] is True
         assert cell["max_abs_delta"] == pytest.approx(record.stats["max_abs_delta"]) and cell["rules"]
+        assert cell["why"] == record.explanation and cell["why"].startswith("suspect: ")
+        assert cell["score"] == pytest.approx(record.stats["score"])
 
 
 def test_alerts_are_recorded_and_throttled(trackers):

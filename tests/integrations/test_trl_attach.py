@@ -65,14 +65,14 @@ def test_sampling_that_changes_the_support_is_announced_at_attach(tiny_model_dir
         attach_guard(truncated, GuardConfig(output_dir=str(tmp_path / "guard")))
     said = [r.getMessage() for r in caplog.records if "processed" in r.getMessage() or "top_p" in r.getMessage()]
     assert len(said) == 1 and "top_k=5, top_p=0.9" in said[0] and "on the same support" in said[0]
-    assert not truncated._rollout_guard.guard.calibration.per_token_offset  # the changepoint rule judges
+    assert truncated._rollout_guard.support is not None  # compared on the engine's support
     caplog.clear()
     offset = make_trainer(tiny_model_dir, tmp_path / "offset", top_p=0.9, top_k=5)
     with caplog.at_level(logging.WARNING, logger="rollout_guard"):
         attach_guard(offset, GuardConfig(output_dir=str(tmp_path / "guard2"), compare_on_engine_support=False))
     said = [r.getMessage() for r in caplog.records if "processed" in r.getMessage() or "top_p" in r.getMessage()]
     assert len(said) == 1 and "top_p=0.9" in said[0] and "0.105 nat" in said[0] and "top_k=5" in said[0]
-    assert offset._rollout_guard.guard.calibration.per_token_offset  # top-k's offset stays: the rule does not judge
+    assert offset._rollout_guard.support is None  # the offset stays for the detector's centres
 
 
 def test_default_sampling_says_nothing(trainer):
@@ -103,7 +103,7 @@ def test_the_sampling_settings_handed_to_the_guard_change_when_a_setting_does(tr
 
 
 def test_circuit_breaker_can_raise_after_writing_everything(tiny_model_dir, tmp_path):
-    """Issue 9 point 12: with on_ceiling="raise", trainer.train() raises once records, metrics and summary are written."""
+    """With on_ceiling="raise", trainer.train() raises once records, metrics and summary are written."""
     from rollout_guard import CircuitBreakerTripped, GuardConfig, read_records
     from rollout_guard.integrations.hf_rollouts import TransformersRollouts
     from rollout_guard.integrations.trl import attach_guard
@@ -150,7 +150,7 @@ class _RecordingSink:
 
 
 def test_full_evidence_for_the_worst_k_statistics_for_all(tiny_model_dir, tmp_path):
-    """Issue 12 part 1: with evidence_samples_per_step=2 every suspect sample still gets a record, the two worst of
+    """With evidence_samples_per_step=2 every suspect sample still gets a record, the two worst of
     each step (the documented order, on the gathered report) with tokens decoded in one batch exactly as one by
     one, the rest without tokens; metrics carry overhead_seconds ≥ guard_seconds."""
     from transformers import AutoTokenizer

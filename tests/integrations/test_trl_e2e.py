@@ -164,14 +164,11 @@ def test_injection_in_a_single_group_batch_writes_real_text_from_another_prompt(
 @pytest.mark.trl_range
 @pytest.mark.parametrize("scenario", ["topk_high_entropy", "topk_high_entropy_offset"])
 def test_processed_logprobs_of_a_high_entropy_top_k_policy_are_not_corruption(tmp_path_factory, tiny_model_dir, scenario):
-    """Issue 10: top_k=5 on a barely trained policy, no corruption. Release 0.1's thresholds flagged every sample
-    (mean |Δ| ≈ the log of the mass outside the top 5) and its breaker stopped training at step 1. By default the
-    trainer's logprobs are compared on vLLM's top-5 support (the offset is gone: what is left is the engine's and
-    the trainer's float32 noise); with ``compare_on_engine_support=False`` the offset stays and the calibration
-    must absorb it."""
-    from rollout_guard.config import GuardConfig
+    """top_k=5 on a barely trained policy, no corruption: the processed logprobs sit above the trainer's by about
+    the log of the mass outside the top 5, on every token. By default the trainer's logprobs are compared on vLLM's
+    top-5 support (the offset is gone: what is left is the engine's and the trainer's float32 noise); with
+    ``compare_on_engine_support=False`` the offset stays and the detector's centres must absorb it."""
     from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
-    from rollout_guard.verdict import judge
 
     model = build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(train_steps=5))  # barely trained: high entropy
     result, log = run_scenario(scenario, tmp_path_factory, model, steps=4)
@@ -184,10 +181,9 @@ def test_processed_logprobs_of_a_high_entropy_top_k_policy_are_not_corruption(tm
         assert min(offsets) > 0.5, f"the scenario must produce a real processed-logprob offset: {offsets}"
     for report in result["reports"]:
         assert not report["suspect"].any(), report["metrics"]
-    if scenario == "topk_high_entropy_offset":
-        release_0_1 = GuardConfig(spike_delta=8.0, mean_delta=1.0, spike_excess=None, drift_threshold=None)
-        flagged = [float(judge(report["samples"], release_0_1).suspect.float().mean()) for report in result["reports"]]
-        assert max(flagged) > 0.5, f"control: the old thresholds flag this run ({flagged})"
+    if scenario == "topk_high_entropy_offset":  # the control: judged about a centre of 0, the offset is a lag
+        centres = [report["metrics"][f"noise/centre_r{region}"] for report in result["reports"] for region in range(4)]
+        assert max(centres) > 0.5, f"the detector's centres took the offset: {centres}"
 
 
 @pytest.mark.trl_range
@@ -197,7 +193,7 @@ def test_a_plain_training_script_prints_alerts_and_a_summary(colocate):
     assert f"rollout_guard: 4 steps, {summary['rollouts']} rollouts judged; {summary['quarantined']} quarantined" in log
     assert "rollout_guard: " in log and "of rollouts quarantined at step 1. " in log  # the alert, when it happened
     assert log.index("of rollouts quarantined at step 1") < log.index("rollouts judged")
-    assert "  worst step: " in log and "drift" in log.split("  rules fired: ")[1].splitlines()[0]
+    assert "  worst step: " in log and "score" in log.split("  rules fired: ")[1].splitlines()[0]
     assert f"  injected {summary['injected']}: caught {summary['caught']}, missed 0, false alarms 0" in log
     assert f"  report: rollout-guard report {guard_dir}" in log and f"{guard_dir}/quarantine" in log
 
@@ -264,10 +260,11 @@ def test_truncated_rows_are_judged_and_flagged_ones_leave_the_baseline(tmp_path_
 
 
 CLEAN_NOISE = 0.5  # nats: bf16 engine vs fp32 re-scoring on clean Mamba2 rollouts (≤ 0.14 seen; audit test: ≤ 0.44)
-# nats: a rollout whose engine logprobs differ from the re-scoring by more is strongly corrupted. A new request that
-# reads another's stale state is off from its first token (9.8–22.7 nats seen, a mean |Δ| far over ``mean_delta``);
-# the rules do not promise more (tokens neither side finds likely are not judged until calibrated: docs/detector.md).
-STRONG = 8.0
+# nats: a rollout whose engine logprobs differ from the re-scoring by more is strongly corrupted, and the detector
+# promises to quarantine it: on this engine's healthy noise (≤ 0.5 nats) a 3-nat disagreement is many scales out
+# (docs/detector.md, "Measured on real engines"). A new request that reads another's stale state is off from its
+# first token.
+STRONG = 3.0
 
 
 @dataclass
@@ -320,30 +317,28 @@ def test_stale_state_fault_in_a_grpo_loop_is_quarantined_and_nothing_else(tmp_pa
     in its recycled slot) inside TRL's colocate engine, a real GRPO loop, the guard attached in quarantine mode.
     Ground truth: every rollout re-scored with transformers. Every strongly corrupted rollout is quarantined, no
     clean one is, and the groups' advantages are those of the hand-computed reference without the quarantined rows;
-    the ``changepoint`` rule scores every clean row and fires on none (it reads the batch's own noise)."""
+    the detector scores every clean row."""
     result, log = run_scenario("stale_state", tmp_path_factory, mamba2_dir, steps=4)
     truth = StaleStateTruth.of(result)
     assert result["fault_stats"]["new_rows_run_as_decode"] > 0, result["fault_stats"]
     assert truth.count(truth.strong) >= 1, "the fault corrupted no rollout strongly: the test checks nothing"
     check_stale_state_verdicts(result, truth, record_property)
     for step, (report, clean) in enumerate(zip(result["reports"], truth.clean, strict=True)):
-        scores = report["samples"][:, COLUMN["changepoint_score"]]
-        fired = (report["reasons"] & RULE_BIT["changepoint"]) != 0
+        scores = report["samples"][:, COLUMN["score"]]
         assert torch.isfinite(scores[clean]).all(), f"step {step}: a clean row not scored"
-        assert not (fired & clean).any(), f"step {step}: clean rows {scores[fired & clean].tolist()}"
 
 
 def test_stale_state_control_without_the_fault_quarantines_nothing(tmp_path_factory, mamba2_dir, record_property):
     """The same engine settings (token budget 8, 12 state slots) without the fault: no new request runs as a decode
     step, the rollouts agree with the re-scoring to bf16 noise (any that do not are counted as grey and may go
-    either way), no clean rollout is quarantined, and the ``changepoint`` rule scored every rollout."""
+    either way), no clean rollout is quarantined, and the detector scored every rollout."""
     result, log = run_scenario("stale_state_control", tmp_path_factory, mamba2_dir, steps=2)
     truth = StaleStateTruth.of(result)
     assert result["fault_stats"]["new_rows_run_as_decode"] == 0
     assert truth.count(truth.strong) == 0, [r.max().item() for r in result["rescored_max_delta"]]
     check_stale_state_verdicts(result, truth, record_property)
     assert result["summary"]["rollouts"] == 96 and truth.count(truth.clean) > 0.9 * 96
-    assert all(torch.isfinite(report["samples"][:, COLUMN["changepoint_score"]]).all() for report in result["reports"])
+    assert all(torch.isfinite(report["samples"][:, COLUMN["score"]]).all() for report in result["reports"])
 
 
 def test_without_vllm_and_without_trl_logprobs_the_guard_runs_no_forward_pass_and_says_it_checks_nothing(

@@ -95,16 +95,22 @@ def test_quarantine_with_tool_masks_truncation_and_none_rewards(matrix):
     assert quarantined_total >= 4 and truncated_quarantined >= 1, (quarantined_total, truncated_quarantined)
 
 
-def test_records_store_none_rewards_and_locate_the_first_divergent_token_despite_tool_masks(matrix):
+def test_records_store_none_rewards_and_locate_the_onset_token_despite_tool_masks(matrix):
+    """A record's onset token indexes its own token lists (the loss-mask tokens, tool tokens left out): the engine
+    and trainer logprobs there are the ones the guard read at the onset."""
     records = list(read_records(Path(matrix["guard_dir"]) / "quarantine"))
     assert len(records) == sum(int(r["metrics"]["suspect"]) for r in matrix["reports"]) > 0
     assert any(r.reward is None or None in r.rewards_per_func.values() for r in records), "a record with a None reward"
     located = 0
     for record in records:
-        pairs = list(zip(record.engine_logprobs, record.trainer_logprobs, strict=True))
-        expected = next((i for i, (e, t) in enumerate(pairs) if e is not None and t is not None and abs(e - t) > 1.0), -1)
-        assert record.stats["first_divergent_token"] == expected, (record.step, record.global_row)
-        located += expected >= 0
+        onset = int(record.stats["onset_token"])
+        if onset < 0 or not record.full_evidence:
+            continue
+        assert onset < len(record.completion_ids), (record.step, record.global_row)
+        assert record.engine_logprobs[onset] == pytest.approx(record.stats["onset_engine_logprob"], abs=1e-4)
+        assert record.trainer_logprobs[onset] == pytest.approx(record.stats["onset_trainer_logprob"], abs=1e-4)
+        assert record.explanation.startswith("suspect: from token ")
+        located += 1
     assert located > 0
 
 

@@ -61,7 +61,7 @@ def test_a_token_whose_recomputed_logprob_disagrees_keeps_log_z_zero(high_entrop
     assert float((capture.calls[0] == 0).float().mean()) > 0.9
 
 
-def test_settings_that_change_the_logits_fall_back_to_calibration(high_entropy_model, tmp_path):
+def test_settings_that_change_the_logits_fall_back_to_the_detector_centres(high_entropy_model, tmp_path):
     from rollout_guard.integrations.trl.support import support_settings
 
     assert support_settings(make_trainer(high_entropy_model, tmp_path / "a", top_k=5, top_p=0.9)) == (5, 0.9, 0.0)
@@ -75,7 +75,7 @@ def test_settings_that_change_the_logits_fall_back_to_calibration(high_entropy_m
 
 @pytest.mark.parametrize("compare", [True, False])
 def test_a_top_k_step_is_judged_on_the_engine_support(high_entropy_model, tmp_path, compare):
-    """One GRPO step of a barely trained policy sampled with top_k = 5 (issue 10's case): on the engine's support
+    """One GRPO step of a barely trained policy sampled with top_k = 5: on the engine's support
     the clean samples' |Δ| is the fp32 noise of two computations of the same model; without it, the log of the
     mass outside the top 5, ≈ 1 nat on every token."""
     from rollout_guard import GuardConfig
@@ -98,7 +98,7 @@ def test_a_top_k_step_is_judged_on_the_engine_support(high_entropy_model, tmp_pa
 
 def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monkeypatch):
     """A model whose LM head the hook cannot call: the step it fails in is not judged (a failure, counted and
-    reported), and from the next the guard compares off the support, the offset left to the calibration."""
+    reported), and from the next the guard compares off the support, the offset left to the detector's centres."""
     import rollout_guard.integrations.trl.support as support
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.trl import attach_guard
@@ -113,7 +113,7 @@ def test_a_failing_hook_never_stops_training(high_entropy_model, tmp_path, monke
     assert len(guarded.steps) == 2 and guarded.support is None
     assert guarded.steps[0].report.skipped and not guarded.steps[1].report.skipped
     assert guarded.guard.totals.failures == 1
-    assert guarded.guard.calibration.per_token_offset  # top-k's offset stays: the changepoint rule stops judging
+    assert guarded.guard.noise_resets == 1  # the noise learned on the support is forgotten
     evidence = guarded.steps[1].evidence
     assert float((evidence["engine"] - evidence["trainer"])[evidence["mask"].bool()].abs().mean()) > 0.5  # uncorrected
     assert not guarded.steps[1].report.suspect.any()
@@ -123,11 +123,9 @@ STEPS, FAIL = 12, 8  # the hook fails from step FAIL of STEPS
 
 
 def test_a_hook_that_fails_mid_run_leaves_no_healthy_row_flagged(high_entropy_model, tmp_path, monkeypatch):
-    """The hook fails at step 8, after seven steps in which the calibration set its centres on the support (top_k
-    = 5, a flat policy: off the support the offset is ≈ 1.3 nats on every token). Judged against those centres, the
-    failing step's healthy rows were flagged (12 of 256 before this was fixed; on a calibrated run's synthetic
-    batches the circuit breaker stopped training at once, blaming the engine); now that step passes unjudged and
-    the calibration starts over off the support."""
+    """The hook fails at step 8, after seven steps in which the detector learned its noise on the support (top_k
+    = 5, a flat policy: off the support the offset is ≈ 1.3 nats on every token). That step passes unjudged and the
+    detector's noise starts over off the support: no healthy row is flagged before, at or after the switch."""
     import rollout_guard.integrations.trl.support as support
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.trl import attach_guard
@@ -146,9 +144,9 @@ def test_a_hook_that_fails_mid_run_leaves_no_healthy_row_flagged(high_entropy_mo
     trainer.train()
     assert guarded.stop_reason is None and len(guarded.steps) == STEPS
     before = guarded.steps[FAIL - 2].report.metrics
-    assert before["calibration/spread_b1"] > 0 and before["calibration/spread_b2"] > 0, "centres set on the support"
+    assert max(abs(before[f"noise/centre_r{region}"]) for region in range(4)) < 0.05, "centres set on the support"
     assert [step.report.skipped for step in guarded.steps] == [i == FAIL - 1 for i in range(STEPS)]
-    assert guarded.guard.totals.failures == 1 and guarded.support is None and guarded.guard.calibration_resets == 1
+    assert guarded.guard.totals.failures == 1 and guarded.support is None and guarded.guard.noise_resets == 1
     delta = [float((s.evidence["engine"] - s.evidence["trainer"])[s.evidence["mask"].bool()].abs().mean())
              for s in guarded.steps if not s.report.skipped]
     assert max(delta[:FAIL - 1]) < 1e-3 < 0.5 < min(delta[FAIL - 1:]), delta  # on the support, then off it
@@ -156,16 +154,11 @@ def test_a_hook_that_fails_mid_run_leaves_no_healthy_row_flagged(high_entropy_mo
     assert not any(flagged), flagged
 
 
-WARMUP = 500  # calibration_warmup_tokens
-
-
-def test_a_run_resumed_on_another_basis_starts_its_calibration_over(high_entropy_model, tmp_path, monkeypatch):
-    """A run whose hook failed is saved with its calibration learned off the support; resumed with a working hook
-    it compares on the support again, d ≈ 1.3 nats lower on every token, so the restored calibration no longer
-    holds: the basis is saved with the sampling settings and the calibration starts over at the first step, as at a
-    change of setting. Before, the restored calibration was kept and 242 of the first step's 256 healthy rows were
-    flagged: the circuit breaker stopped training, "the engine itself looks broken (max |Δ| 4.77e-07 nats)".
-    (Calibrated after 500 kept tokens per bucket instead of 20,000, so that a few steps of this tiny run get there.)"""
+def test_a_run_resumed_on_another_basis_starts_its_noise_over(high_entropy_model, tmp_path, monkeypatch):
+    """A run whose hook failed is saved with its noise learned off the support; resumed with a working hook it
+    compares on the support again, d ≈ 1.3 nats lower on every token, so the restored noise (centred on the offset)
+    no longer holds: the basis is saved with the sampling settings and the noise starts over at the first step, as
+    at a change of setting, and no healthy row is flagged."""
     import rollout_guard.integrations.trl.support as support
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.trl import attach_guard
@@ -180,20 +173,19 @@ def test_a_run_resumed_on_another_basis_starts_its_calibration_over(high_entropy
         return working(*args, **kwargs)
 
     monkeypatch.setattr(support, "token_log_mass", failing_from_step_2)
-    guarded = attach_guard(first, GuardConfig(output_dir=str(tmp_path / "guard"), calibration_warmup_tokens=WARMUP),
-                           keep_steps=True)
+    guarded = attach_guard(first, GuardConfig(output_dir=str(tmp_path / "guard")), keep_steps=True)
     first.train()
-    assert guarded.support is None and guarded.guard.calibration_resets == 1
-    assert guarded.steps[-1].report.metrics["calibrated_buckets"] >= 2, "calibrated off the support"
+    assert guarded.support is None and guarded.guard.noise_resets == 1
+    centres = [guarded.steps[-1].report.metrics[f"noise/centre_r{region}"] for region in range(4)]
+    assert max(centres) > 0.5, f"the offset learned off the support: {centres}"
     (tmp_path / "checkpoint").mkdir()
     guarded.save_state(tmp_path / "checkpoint")
     monkeypatch.setattr(support, "token_log_mass", working)
     second = make_trainer(high_entropy_model, tmp_path / "second", max_steps=3, **settings)
-    resumed = attach_guard(second, GuardConfig(output_dir=str(tmp_path / "guard2"), calibration_warmup_tokens=WARMUP),
-                           keep_steps=True)
-    assert resumed.load_state(tmp_path / "checkpoint") and resumed.guard.calibration_resets == 1
+    resumed = attach_guard(second, GuardConfig(output_dir=str(tmp_path / "guard2")), keep_steps=True)
+    assert resumed.load_state(tmp_path / "checkpoint") and resumed.guard.noise_resets == 1
     second.train()
-    assert resumed.support is not None and resumed.guard.calibration_resets == 2
+    assert resumed.support is not None and resumed.guard.noise_resets == 2
     evidence = resumed.steps[0].evidence
     assert float((evidence["engine"] - evidence["trainer"])[evidence["mask"].bool()].abs().max()) < 1e-3
     flagged = [int(step.report.suspect.sum()) for step in resumed.steps]
@@ -202,10 +194,8 @@ def test_a_run_resumed_on_another_basis_starts_its_calibration_over(high_entropy
 
 def test_a_hook_that_fails_on_one_process_changes_every_process_alike(high_entropy_model, tmp_path):
     """Two CPU processes (gloo); the hook fails from step 4 on rank 1 only. The flag travels in the step's one
-    gather, so both ranks skip that step, stop comparing on the support and start the calibration over together:
-    the same metrics, verdicts and guard state on both, and no healthy row flagged. (Before, only rank 1 switched:
-    its failure was counted there alone, and rank 0 went on comparing on the support, with the changepoint rule
-    judging on one rank and not on the other.)"""
+    gather, so both ranks skip that step, stop comparing on the support and start the detector's noise over
+    together: the same metrics, verdicts and guard state on both, and no healthy row flagged."""
     from pathlib import Path
 
     from tests.integrations.support_failure import FAIL, STEPS
@@ -218,7 +208,7 @@ def test_a_hook_that_fails_on_one_process_changes_every_process_alike(high_entro
     for result in ranks:
         assert [step["skipped"] for step in result["steps"]] == [i == FAIL - 1 for i in range(STEPS)]
         assert result["steps"][FAIL - 1]["check_flags"] == [0, 2]
-        assert result["failures"] == 1 and not result["support"] and result["per_token_offset"]
+        assert result["failures"] == 1 and not result["support"]
         assert result["resets"] == 1
         assert not any(step["suspect"].any() for step in result["steps"])
     for mine, theirs in zip(*(result["steps"] for result in ranks), strict=True):
