@@ -16,8 +16,8 @@ batch is what TRL 1.16 builds with vLLM and importance-sampling correction on: p
 ``sampling_per_token_logps`` (engine), ``old_per_token_logps`` (trainer), ``advantages`` (TRL's arithmetic, so
 the replica check passes) and ``num_items_in_batch``. Token ids are windows of real text encoded by a byte-level
 BPE tokenizer (16k vocabulary) trained here on the Python standard library's sources (nothing downloaded).
-Suspect rows: the trainer's logprobs of a share of the rows (``--suspect``) are shifted by −9 nats (mean_drift,
-drift); the circuit breaker is off so that 50 % suspect steps run on.
+Suspect rows: the trainer's logprobs of a share of the rows (``--suspect``) are shifted by −9 nats (the score
+fires); the circuit breaker is off so that 50 % suspect steps run on.
 
 Reference: forward + backward (a GRPO-style loss: log-softmax over the vocabulary, gather, × advantage) of a
 Llama-style model, Llama-3.2-1B shape on CUDA (hidden 2048, 16 layers, MLP 8192, 32/8 heads, vocab 128,256:

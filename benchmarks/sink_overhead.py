@@ -21,8 +21,8 @@ from rollout_guard.sinks import LocalFilesSink
 
 def record(step: int) -> QuarantineRecord:
     return QuarantineRecord(
-        step=step, process_index=0, row=0, global_row=0, group_size=4, action="quarantined", rules=["token_spike"],
-        stats={"max_abs_delta": 12.0, "first_divergent_token": 0.0}, prompt_ids=[1] * 64, completion_ids=[2] * 256,
+        step=step, process_index=0, row=0, global_row=0, group_size=4, action="quarantined", rules=["score"],
+        stats={"max_abs_delta": 12.0, "onset_token": 0.0}, prompt_ids=[1] * 64, completion_ids=[2] * 256,
         prompt_text="p" * 64, completion_text="c" * 256, completion_tokens=["c"] * 256, engine_logprobs=[-0.1] * 256,
         trainer_logprobs=[-9.0] * 256, reward=0.0, rewards_per_func={}, advantage_before=0.0, advantage_after=0.0,
         sampling={}, model="m", engine={},

@@ -490,12 +490,17 @@ def replay_many(records: Sequence[QuarantineRecord], model: str | None = None, d
         engine = start_engine(engine_model, dtype=dtype, max_model_len=min(limit, longest) if limit else longest)
         engines = list(engine.score(prompts, completions))
     results = []
+
+    def judged(engine_logprobs: list[float | None], trainer_logprobs: list[float], step: int) -> StepReport:
+        """One row against the healthy-noise prior: a single record shows no noise of its own."""
+        guard = RolloutGuard(config)
+        guard.detector.batch_noise = False
+        return guard.inspect(evidence_from_lists([engine_logprobs], [trainer_logprobs]), step=step)
+
     for record, trainer, engine_scores in zip(records, trainers, engines, strict=True):
         recorded_engine = record.engine_logprobs or [None] * len(trainer)
-        verdict_recorded = RolloutGuard(config).inspect(evidence_from_lists([recorded_engine], [trainer]),
-                                                        step=record.step)
-        verdict_fresh = (RolloutGuard(config).inspect(evidence_from_lists([engine_scores], [trainer]), step=record.step)
-                         if engine_scores is not None else None)
+        verdict_recorded = judged(recorded_engine, trainer, record.step)
+        verdict_fresh = judged(engine_scores, trainer, record.step) if engine_scores is not None else None
         results.append(ReplayResult(record, trainer, engine_scores, verdict_recorded, verdict_fresh,
                                     replay_pattern(record, trainer, engine_scores)))
     return results

@@ -4,7 +4,7 @@ vLLM reports *processed* logprobs (``logprobs_mode="processed_logprobs"``, what 
 sampled token under the distribution it sampled from, renormalised over the tokens that min-p, top-k and top-p
 kept. The trainer scores the whole vocabulary. On a clean token the two then differ by ``−log Z``, ``Z`` the
 probability mass of the kept support, which varies token by token (a flat distribution keeps little under
-top-k) and is noise the guard would otherwise have to calibrate around. Subtracting the trainer's own
+top-k) and is noise the detector would otherwise have to learn as its centre. Subtracting the trainer's own
 ``log Z`` from its logprob compares both sides on the same support: ``d = engine − (trainer − log Z)``.
 
 Pure math only; computing ``Z`` from a trainer's hidden states without an extra forward pass is the TRL adapter's

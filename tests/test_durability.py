@@ -34,7 +34,7 @@ def fsynced(monkeypatch) -> list[str]:
 
 def record(step: int, row: int = 0) -> QuarantineRecord:
     return QuarantineRecord(
-        step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["token_spike"],
+        step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["score"],
         stats={"max_abs_delta": 12.5}, prompt_ids=[1], completion_ids=[3], prompt_text="a=", completion_text="x",
         completion_tokens=["x"], engine_logprobs=[-0.1], trainer_logprobs=[-9.0], reward=0.25, rewards_per_func={"copy": 0.25},
         advantage_before=-1.0, advantage_after=0.0, sampling={}, model="tiny", engine={"name": "vllm"},

@@ -14,7 +14,7 @@ from rollout_guard.sinks import LocalFilesSink
 
 
 def fill_run(directory):
-    config = GuardConfig(ceiling_delta=8.0)  # the spike alert fires above the token_spike ceiling
+    config = GuardConfig(ceiling_delta=8.0)  # the spike alert fires above the ceiling
     guard = RolloutGuard(config)
     sink = LocalFilesSink(directory, config)
     for step in range(1, 6):

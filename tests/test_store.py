@@ -8,7 +8,7 @@ from rollout_guard.store import QuarantineStore, read_records, store_files
 
 def record(step: int, row: int = 0) -> QuarantineRecord:
     return QuarantineRecord(
-        step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["token_spike"],
+        step=step, process_index=0, row=row, global_row=row, group_size=4, action="quarantined", rules=["score"],
         stats={"max_abs_delta": 12.5, "kl_k3": float("nan")}, prompt_ids=[1, 2], completion_ids=[3, 4],
         prompt_text="ab=", completion_text="xy", completion_tokens=["x", "y"], engine_logprobs=[-0.1, float("nan")], trainer_logprobs=[-9.0, -8.0],
         reward=0.25, rewards_per_func={"copy": 0.25}, advantage_before=-1.0, advantage_after=0.0,

@@ -31,7 +31,7 @@ while True:
     batch = []
     for _ in range(1 + serial % 4):
         batch.append(QuarantineRecord(
-            step=serial, process_index=0, row=0, global_row=0, group_size=1, action="quarantined", rules=["token_spike"],
+            step=serial, process_index=0, row=0, global_row=0, group_size=1, action="quarantined", rules=["score"],
             stats={"serial": serial}, prompt_ids=[1] * 200, completion_ids=[2] * 400, prompt_text="p" * 200,
             completion_text="c" * 400, completion_tokens=["c"] * 400, engine_logprobs=[-0.125] * 400,
             trainer_logprobs=[-9.5] * 400, reward=0.0, rewards_per_func={}, advantage_before=0.0, advantage_after=0.0,

@@ -36,7 +36,7 @@ def _setting_reader(trainer: Any):
 
 def sampling_settings(trainer: Any) -> tuple[str, ...]:
     """What the engine samples with, as ``name=value`` strings (temperature and every support-changing setting):
-    handed to the guard each step so that a change re-learns its calibrated centres (the processed logprobs' offset
+    handed to the guard each step so that a change starts the detector's noise over (the processed logprobs' offset
     depends on it). Strings, so that the tuple survives the guard's JSON checkpoint unchanged."""
     setting = _setting_reader(trainer)
     names = ("temperature", *_SUPPORT_KEYS, "vllm_structured_outputs_regex")

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, noise_of, tail_rarity
+from rollout_guard.detector.noise import NUM_BINS, Noise, deepest, healthy_noise, histogram, noise_of, tail_rarity
 from rollout_guard.detector.score import NUM_REGIONS, region_of, row_scores
 
 RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score")
@@ -47,6 +47,9 @@ class Detector:
         false_alarm_budget: the share of healthy rows the score may flag, α; the threshold is ``ln(1/α)``.
         ceiling: nats: a token with |engine − trainer| above it flags its row whatever the noise (``None``: off).
         device: where the state lives (the logprobs' device).
+        batch_noise: whether a batch's own tokens join the noise it is judged against (a run broken from its first
+            step is judged against its own noise); ``False`` judges against the run's state alone (the prior for a
+            fresh detector), for a batch too small to show any noise, such as one record replayed.
 
     >>> detector = Detector()
     >>> engine = torch.full((3, 20), -0.1); trainer = engine - 0.02
@@ -63,12 +66,13 @@ class Detector:
     """name → shape of each state tensor (float64, zeros after :meth:`reset`)."""
 
     def __init__(self, false_alarm_budget: float = 1e-3, ceiling: float | None = 25.0,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", batch_noise: bool = True) -> None:
         if not 0 < false_alarm_budget < 1:
             raise ValueError(f"false_alarm_budget={false_alarm_budget}: pass a share in (0, 1), e.g. 1e-3")
         self.false_alarm_budget = false_alarm_budget
         self.threshold = math.log(1.0 / false_alarm_budget)
         self.ceiling = ceiling
+        self.batch_noise = batch_noise
         self.device = torch.device(device)
         self.reset()
 
@@ -115,16 +119,19 @@ class Detector:
         engine_read = torch.where(read, engine, torch.zeros_like(engine))
         delta = engine_read - torch.where(read, trainer, torch.zeros_like(trainer))
         region = region_of(engine_read)
-        counts = self.counts + histogram(delta, region, read)
+        counts = self.counts + histogram(delta, region, read) if self.batch_noise else self.counts
         noise = healthy_noise(counts)
         x = delta - noise.centre.to(delta.dtype)[region]
         scale = noise.scale.to(delta.dtype)[region]
-        # an engine-favouring token's evidence is capped by the trainer-favouring side of the run and this batch
-        # (corruption does not reach it), a trainer-favouring one's by the engine-favouring side of kept rows (a
-        # batch's corrupted rows would cap the others')
+        # a token's evidence is capped by how rare the other side shows its distance to be: an engine-favouring
+        # token by the trainer-favouring side of the run and this batch (corruption does not reach it), a
+        # trainer-favouring one by the engine-favouring side of the run and of this batch's tokens that the
+        # trainer-favouring side covers (a healthy tail is two-sided; a corrupted row's unmatched spikes cap nothing)
+        covered = x <= deepest(counts, noise.centre).to(x.dtype)[region]
+        engine_side = self.counts + histogram(delta, region, read & covered)
         mirrored = noise._replace(centre=-noise.centre)
         cap = torch.where(x > 0, tail_rarity(counts, noise, region, x),
-                          tail_rarity(self.counts.flip(1), mirrored, region, x))
+                          tail_rarity(engine_side.flip(1), mirrored, region, x))
         scored = row_scores(x, scale, read, cap)
         reasons = (((mask & ~finite_engine).any(-1)).int() * RULE_BIT["nonfinite_engine"]
                    | ((mask & ~finite_trainer).any(-1)).int() * RULE_BIT["nonfinite_trainer"]

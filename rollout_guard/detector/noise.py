@@ -34,6 +34,11 @@ CENTRE_WINDOW = 0.5
 """nats: the half-width of the window whose densest position gives the centre (:func:`centre_of`): wider than healthy
 bf16 noise and a top-k offset's spread about its mode, narrower than the nats a corrupted engine spreads over."""
 CENTRE_RANGE = 16.0  # nats: where the centre may lie
+CENTRE_PRIOR = 1.0
+"""nats: the scale of the centre's prior about 0 (:func:`centre_of`): a top-p cut moves the processed logprobs by at most
+``−ln top_p`` (0.1 nats at 0.9), healthy noise by hundredths of a nat, so a window several nats out must hold many
+times the tokens of one at 0 to be the centre: a run broken on most rows from its first step is still judged about
+0, while a top-k offset (every healthy token a nat or more out) is learned at once."""
 MIN_TAIL = 10.0
 """tokens: the scale is fitted to the trainer-favouring tail only at depths where at least this many lie beyond."""
 SCALE_FLOOR = 0.01  # nats: the least scale read (bitwise-identical stacks have none; bf16 rounding is ~0.004)
@@ -102,7 +107,7 @@ def noise_of(counts: torch.Tensor) -> Noise:
     >>> _ = torch.manual_seed(0); d = 0.1 * torch.distributions.Laplace(0.0, 1.0).sample((1, 100_000))
     >>> noise = noise_of(histogram(d + 0.3, torch.full(d.shape, 2), torch.ones(d.shape, dtype=torch.bool)))
     >>> round(noise.centre[2].item(), 2), round(noise.scale[2].item(), 1), noise.scale[0].item()  # region 0: no data
-    (0.3, 0.1, 0.01)
+    (0.29, 0.1, 0.01)
     """
     counts = counts.double()
     total = counts.sum(1, keepdim=True)
@@ -138,7 +143,8 @@ def _candidates(dtype: torch.dtype, device: str) -> torch.Tensor:
 
 def centre_of(counts: torch.Tensor) -> torch.Tensor:
     """(R,) the centre of each region's healthy noise: the median of the tokens in the densest window of
-    ``±``:data:`CENTRE_WINDOW` nats (0 for an empty region).
+    ``±``:data:`CENTRE_WINDOW` nats, its density weighed by a Laplace prior of scale :data:`CENTRE_PRIOR` about 0
+    (0 for an empty region).
 
     Healthy tokens crowd about the centre (bf16 noise is a few hundredths of a nat; a top-k cut's offset varies by a
     few tenths), while a corrupted engine's disagreements spread over nats. So the densest window stays on the
@@ -154,7 +160,8 @@ def centre_of(counts: torch.Tensor) -> torch.Tensor:
     counts = counts.double()
     at = _candidates(counts.dtype, str(counts.device)).expand(counts.shape[0], -1)  # (R, K)
     low, high = _cdf(counts, at - CENTRE_WINDOW), _cdf(counts, at + CENTRE_WINDOW)
-    best = (high - low).argmax(1, keepdim=True)  # the densest window's midpoint
+    # the densest window, a window c nats out needing e^{|c|/CENTRE_PRIOR} times the tokens of one at 0
+    best = (torch.log((high - low).clamp(min=1e-30)) - at.abs() / CENTRE_PRIOR).argmax(1, keepdim=True)
     low, high = low.gather(1, best).squeeze(1), high.gather(1, best).squeeze(1)
     centre = _inverse_cdf(counts, 0.5 * (low + high))
     return torch.where(counts.sum(1) > 0, centre, torch.zeros_like(centre))
@@ -181,6 +188,23 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     centre = (own.tokens * own.centre + CENTRE_TOKENS * everywhere) / (own.tokens + CENTRE_TOKENS)
     shrunk = weight * own.scale + (1 - weight) * prior_scale
     return Noise(centre=centre, scale=torch.maximum(shrunk, own.scale), tokens=own.tokens)
+
+
+def deepest(counts: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """(R,) nats: how far below its centre each region's farthest token may lie (the outer edge of its first
+    nonempty bin; 0 where no token lies below the centre).
+
+    >>> counts = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
+    >>> counts[0, EDGES.index(-8.0)] = 1.0; counts[0, EDGES.index(0.0)] = 99.0
+    >>> [round(v, 2) for v in deepest(counts, torch.zeros(NUM_REGIONS, dtype=torch.float64)).tolist()]
+    [9.51, 0.0, 0.0, 0.0]
+    """
+    edges = _edges(counts.dtype, str(counts.device))
+    first = (counts > 0).to(torch.uint8).argmax(1, keepdim=True)
+    lo, hi, inner = _bounds(first, edges)
+    edge = torch.where(inner | (first == 0), lo, hi).squeeze(1)  # the outer edge (an open bin: its one edge)
+    depth = (centre.to(counts.dtype) - edge).clamp(min=0.0)
+    return torch.where(counts.sum(1) > 0, depth, torch.zeros_like(depth))
 
 
 def tail_rarity(counts: torch.Tensor, noise: Noise, region: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ SCENARIOS = {
     # a barely trained (high-entropy) policy sampled with top_k=5: vLLM's processed logprobs sit ~1.5 nats above
     # the trainer's on every token; no corruption at all, the default breaker on
     "topk_high_entropy": dict(mode="quarantine", rate=None, lr=5e-4, config={"top_k": 5}, guard={"max_quarantine_share": 0.5}),
-    # the same without comparing on the engine's support: the offset stays in d and the calibration must absorb it
+    # the same without comparing on the engine's support: the offset stays in d and the detector's centres must absorb it
     "topk_high_entropy_offset": dict(mode="quarantine", rate=None, lr=5e-4, config={"top_k": 5},
                                      guard={"max_quarantine_share": 0.5, "compare_on_engine_support": False}),
     # mask_truncated_completions with completions cut at 6 tokens: the copies of 6–8 letters (about half) never reach

@@ -82,7 +82,7 @@ def test_default_sampling_says_nothing(trainer):
 
 
 def test_the_sampling_settings_handed_to_the_guard_change_when_a_setting_does(trainer):
-    """What ``guard_batch`` passes as ``sampling`` each step (a change restarts the calibrated centres): strings,
+    """What ``guard_batch`` passes as ``sampling`` each step (a change starts the detector's noise over): strings,
     so that the guard's JSON checkpoint gives back an equal tuple."""
     import json as json_module
 
