@@ -27,18 +27,18 @@ DATA = sorted(glob.glob(str(REPO / "benchmarks" / "fidelity_data" / "h200-*.parq
 
 # pooled over conditions: the least recall per fault, the most false quarantines per clean rollout. Measured with
 # GuardConfig's defaults (circuit breaker off) on this subset: gibberish 1.0, NaN 1.0, moderate 0.999, late onset
-# 0.973, isolated spikes 0.962, single spike 0.965, truncated 1.0, real context swap 0.991, real late onset 1.0 (real
+# 0.975, isolated spikes 0.965, single spike 0.971, truncated 1.0, real context swap 0.991, real late onset 1.0 (real
 # stale weights 0.0: not corruption a row verdict can tell, left out); false quarantines: real 0, dense-7B tail
-# 0.077, hybrid-7B tail 0.014, top-k 0. The tails' false quarantines come from rare 3–13-nat healthy disagreements
-# in a run too short to have shown them on the other side (docs/detector.md); the full benchmark's streams are
-# longer. With false_alarm_budget=1e-30 and ceiling_delta=None: late onset 0.858, isolated 0.746, single 0.656,
-# moderate 0.973, real context swap 0.903.
+# 0.077, hybrid-7B tail 0.016, top-k 0.003 (its offset left in: the subset is judged off the engine's support). The
+# tails' false quarantines come from rare 3–13-nat healthy disagreements in a run too short to have shown them on
+# the other side (docs/detector.md); the full benchmark's streams are longer. With false_alarm_budget=1e-30 and
+# ceiling_delta=None: late onset 0.858, isolated 0.746, single 0.656, moderate 0.973, real context swap 0.903.
 RECALL_AT_LEAST = {
     "confident_gibberish": 0.99, "nonfinite": 1.0, "moderate_confidence": 0.98, "late_onset": 0.94,
     "isolated_spikes": 0.93, "single_spike": 0.93, "truncated_gibberish": 0.98, "real_context_swap": 0.95,
     "real_late_onset": 0.9,
 }
-FALSE_AT_MOST = {"real": 0.0, "softmax_dense7b": 0.1, "softmax_hybrid7b": 0.03, "topk5_high_entropy": 0.005}
+FALSE_AT_MOST = {"real": 0.0, "softmax_dense7b": 0.1, "softmax_hybrid7b": 0.03, "topk5_high_entropy": 0.01}
 BLIND = ["false_alarm_budget=1e-30", "ceiling_delta=None"]  # a score threshold of 69 nats, no ceiling
 
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from rollout_guard.detector.noise import NUM_BINS, Noise, deepest, healthy_noise, histogram, noise_of, tail_rarity
+from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, noise_of, tail_rarity
 from rollout_guard.detector.score import NUM_REGIONS, region_of, row_scores
 
 RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score")
@@ -125,13 +125,11 @@ class Detector:
         scale = noise.scale.to(delta.dtype)[region]
         # a token's evidence is capped by how rare the other side shows its distance to be: an engine-favouring
         # token by the trainer-favouring side of the run and this batch (corruption does not reach it), a
-        # trainer-favouring one by the engine-favouring side of the run and of this batch's tokens that the
-        # trainer-favouring side covers (a healthy tail is two-sided; a corrupted row's unmatched spikes cap nothing)
-        covered = x <= deepest(counts, noise.centre).to(x.dtype)[region]
-        engine_side = self.counts + histogram(delta, region, read & covered)
+        # trainer-favouring one by the engine-favouring side of the kept rows only (a batch's corrupted rows, whose
+        # garbage can fall on both sides, would cap one another)
         mirrored = noise._replace(centre=-noise.centre)
         cap = torch.where(x > 0, tail_rarity(counts, noise, region, x),
-                          tail_rarity(engine_side.flip(1), mirrored, region, x))
+                          tail_rarity(self.counts.flip(1), mirrored, region, x))
         scored = row_scores(x, scale, read, cap)
         reasons = (((mask & ~finite_engine).any(-1)).int() * RULE_BIT["nonfinite_engine"]
                    | ((mask & ~finite_trainer).any(-1)).int() * RULE_BIT["nonfinite_trainer"]

@@ -34,11 +34,12 @@ CENTRE_WINDOW = 0.5
 """nats: the half-width of the window whose densest position gives the centre (:func:`centre_of`): wider than healthy
 bf16 noise and a top-k offset's spread about its mode, narrower than the nats a corrupted engine spreads over."""
 CENTRE_RANGE = 16.0  # nats: where the centre may lie
-CENTRE_PRIOR = 1.0
-"""nats: the scale of the centre's prior about 0 (:func:`centre_of`): a top-p cut moves the processed logprobs by at most
-``−ln top_p`` (0.1 nats at 0.9), healthy noise by hundredths of a nat, so a window several nats out must hold many
-times the tokens of one at 0 to be the centre: a run broken on most rows from its first step is still judged about
-0, while a top-k offset (every healthy token a nat or more out) is learned at once."""
+CENTRE_PRIOR = 2.0
+"""nats: the scale of the centre's prior about 0 (:func:`centre_of`): a window ``c`` nats out must hold ``e^{|c|/2}``
+times the tokens of one at 0 to be the centre. A top-p cut moves healthy processed logprobs by at most ``−ln top_p``
+(0.1 nats at 0.9), healthy noise by hundredths of a nat, while a broken engine's disagreements sit nats out: a run
+broken on every row from its first step is still judged about 0. A top-k cut's offset (about 1.3 nats for a barely
+trained policy at top-k 5) is learned, a little low; the TRL adapter removes it (``compare_on_engine_support``)."""
 MIN_TAIL = 10.0
 """tokens: the scale is fitted to the trainer-favouring tail only at depths where at least this many lie beyond."""
 SCALE_FLOOR = 0.01  # nats: the least scale read (bitwise-identical stacks have none; bf16 rounding is ~0.004)
@@ -107,7 +108,7 @@ def noise_of(counts: torch.Tensor) -> Noise:
     >>> _ = torch.manual_seed(0); d = 0.1 * torch.distributions.Laplace(0.0, 1.0).sample((1, 100_000))
     >>> noise = noise_of(histogram(d + 0.3, torch.full(d.shape, 2), torch.ones(d.shape, dtype=torch.bool)))
     >>> round(noise.centre[2].item(), 2), round(noise.scale[2].item(), 1), noise.scale[0].item()  # region 0: no data
-    (0.29, 0.1, 0.01)
+    (0.3, 0.1, 0.01)
     """
     counts = counts.double()
     total = counts.sum(1, keepdim=True)
@@ -188,23 +189,6 @@ def healthy_noise(counts: torch.Tensor, prior_scale: float = PRIOR_SCALE, prior_
     centre = (own.tokens * own.centre + CENTRE_TOKENS * everywhere) / (own.tokens + CENTRE_TOKENS)
     shrunk = weight * own.scale + (1 - weight) * prior_scale
     return Noise(centre=centre, scale=torch.maximum(shrunk, own.scale), tokens=own.tokens)
-
-
-def deepest(counts: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
-    """(R,) nats: how far below its centre each region's farthest token may lie (the outer edge of its first
-    nonempty bin; 0 where no token lies below the centre).
-
-    >>> counts = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
-    >>> counts[0, EDGES.index(-8.0)] = 1.0; counts[0, EDGES.index(0.0)] = 99.0
-    >>> [round(v, 2) for v in deepest(counts, torch.zeros(NUM_REGIONS, dtype=torch.float64)).tolist()]
-    [9.51, 0.0, 0.0, 0.0]
-    """
-    edges = _edges(counts.dtype, str(counts.device))
-    first = (counts > 0).to(torch.uint8).argmax(1, keepdim=True)
-    lo, hi, inner = _bounds(first, edges)
-    edge = torch.where(inner | (first == 0), lo, hi).squeeze(1)  # the outer edge (an open bin: its one edge)
-    depth = (centre.to(counts.dtype) - edge).clamp(min=0.0)
-    return torch.where(counts.sum(1) > 0, depth, torch.zeros_like(depth))
 
 
 def tail_rarity(counts: torch.Tensor, noise: Noise, region: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
