@@ -58,6 +58,7 @@ def spike_chart(history: Sequence[dict], ceiling_delta: float | None, path: str 
             count = int(row.get("suspect", 0) or row.get("quarantined", 0))
             top.annotate(str(count), (row["step"], y), textcoords="offset points", xytext=(0, 8), ha="center",
                          fontsize=8, color="#d62728")
+    top.set_yscale("symlog", linthresh=10.0)  # linear about the threshold, logarithmic for scores in the hundreds
     top.set_ylabel("score ln Λ (engine off vs healthy noise)")
     top.set_title(title or "rollout_guard: score per step against its threshold")
     top.grid(True, alpha=0.3)
