@@ -54,3 +54,15 @@ def test_state_round_trip_keeps_baselines_and_cooldowns():
     assert restored.state_dict() == monitor.state_dict()
     assert not restored.check(2, step_metrics(0.9, 40.0))  # still cooling down
     assert not math.isnan(restored.share_baseline)
+
+
+def test_noise_growth_alerts_past_the_limit_once_per_cooldown():
+    monitor = AlertMonitor(GuardConfig(alert_cooldown_steps=10))
+    quiet = {"noise/growth_r0": 1.2, "noise/growth_r3": float("nan"), "noise/scale_r0": 0.05}
+    assert monitor.noise_growth(1, quiet, 2.0) is None  # under the limit; NaN: no early level yet
+    grown = {"noise/growth_r0": 1.2, "noise/growth_r2": 2.5, "noise/scale_r2": 0.4}
+    alert = monitor.noise_growth(2, grown, 2.0)
+    assert alert is not None and alert.kind == "noise_growth" and alert.value == 2.5
+    assert "region 2" in alert.text and "0.4 nats" in alert.text
+    assert monitor.noise_growth(5, grown, 2.0) is None  # cooling down
+    assert monitor.noise_growth(12, grown, 2.0) is not None

@@ -244,3 +244,27 @@ def test_one_host_sync_per_step():
         report = guard.inspect(on_device, step=1, batch_size=8, check_failed=torch.tensor(False).as_subclass(OnDevice))
         assert OnDevice.syncs == ["cpu"], OnDevice.syncs
         assert report.suspect.tolist() == [row == 1 for row in range(8)] and type(report.samples) is torch.Tensor
+
+
+def test_a_noise_that_grows_over_the_run_raises_a_growth_alert():
+    """Healthy noise of 0.05 nats learned as the early level, then a two-sided fault five times as wide: the
+    per-step growth metric passes 2x and the guard warns, while a run that stays at its early level does not."""
+
+    def step(seed: int, sigma: float) -> RolloutEvidence:
+        generator = torch.Generator().manual_seed(seed)
+        engine = -0.2 * torch.rand(256, 64, generator=generator)  # one confidence region
+        noise = torch.distributions.Laplace(0.0, sigma).sample((256, 64))
+        return RolloutEvidence(torch.ones(256, 64, dtype=torch.bool), engine, engine - noise)
+
+    torch.manual_seed(0)
+    steady, growing = RolloutGuard(GuardConfig()), RolloutGuard(GuardConfig())
+    for seed in range(2):
+        steady.inspect(step(seed, 0.05), step=seed)
+        growing.inspect(step(seed, 0.05), step=seed)
+    kinds = {"steady": [], "growing": []}
+    for seed in range(2, 12):
+        kinds["steady"] += [a.kind for a in steady.inspect(step(seed, 0.05), step=seed).alerts]
+        report = growing.inspect(step(seed, 0.25), step=seed)
+        kinds["growing"] += [a.kind for a in report.alerts]
+    assert "noise_growth" not in kinds["steady"]
+    assert "noise_growth" in kinds["growing"] and report.metrics["noise/growth_r3"] > 2.0
