@@ -221,7 +221,8 @@ class RolloutGuard:
         judgement = detector.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask)
         samples, histogram = summarise(evidence, judgement)
         dtype = packet_dtype(evidence.device)
-        head = torch.tensor([STATUS_OK, 0.0], dtype=dtype).to(evidence.device)
+        head = torch.zeros(2, dtype=dtype, device=evidence.device)
+        head[0] = STATUS_OK  # a fill on the device: no host→device copy
         noise = torch.cat([judgement.noise.centre, judgement.noise.scale, detector.grown()])
         return torch.cat([head, samples.flatten().to(dtype), judgement.reasons.to(dtype), histogram.to(dtype),
                           judgement.kept_counts.flatten().to(dtype), noise.to(dtype),

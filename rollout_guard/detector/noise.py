@@ -113,7 +113,7 @@ def noise_of(counts: torch.Tensor) -> Noise:
     counts = counts.double()
     total = counts.sum(1, keepdim=True)
     centre = centre_of(counts)
-    depths = torch.tensor([v for v in EDGES if v > 0], dtype=counts.dtype, device=counts.device)
+    depths = _depths(counts.dtype, str(counts.device))
     at = centre.unsqueeze(1) - depths  # (R, U)
     beyond = _cdf(counts, at)
     below = _cdf(counts, centre.unsqueeze(1))  # (R, 1)
@@ -135,6 +135,12 @@ def _inverse_cdf(counts: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     share = ((mass - before) / inside.clamp(min=1e-300)).clamp(0, 1)
     value = torch.where(inner, lo + share * (hi - lo), torch.where(k == 0, hi, lo))
     return value.squeeze(1)
+
+
+@functools.cache
+def _depths(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The positive edges on a device, copied once (a copy per step would be a host sync each)."""
+    return torch.tensor([v for v in EDGES if v > 0], dtype=dtype).to(device)
 
 
 @functools.cache
