@@ -130,6 +130,23 @@ def detector_step(detector: Detector, evidence: RolloutEvidence) -> torch.Tensor
     return judgement.reasons.cpu()
 
 
+def fused_against_reference(evidence: RolloutEvidence, device: torch.device) -> dict:
+    """On the GPU: the fused step's judgement against the torch reference on the CPU, both warm from the same
+    steps: whether every verdict and onset agrees, and the largest score difference (nats)."""
+    cpu = RolloutEvidence(evidence.mask.cpu(), evidence.engine_logprobs.cpu(), evidence.trainer_logprobs.cpu())
+    fused, reference = Detector(device=device), Detector()
+    for _ in range(WARM_STEPS):
+        detector_step(fused, evidence)
+        detector_step(reference, cpu)
+    got = fused.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask)
+    expected = reference.judge(cpu.engine_logprobs, cpu.trainer_logprobs, cpu.mask)
+    finite = torch.isfinite(expected.score)
+    return {"verdicts_equal": bool(torch.equal(got.reasons.cpu(), expected.reasons)),
+            "onsets_equal": bool(torch.equal(got.onset.cpu(), expected.onset)),
+            "max_score_difference": float((got.score.cpu() - expected.score)[finite].abs().max()),
+            "states_equal": bool(torch.allclose(fused.counts.cpu(), reference.counts))}
+
+
 def measure(rows: int, length: int, device: torch.device, repeats: int, rounds: int) -> dict:
     """One size's figures (module docstring)."""
     gpu = device.type == "cuda"
@@ -154,6 +171,7 @@ def measure(rows: int, length: int, device: torch.device, repeats: int, rounds: 
            "corrupted": max(rows // 100, 1), "suspect": int(report.suspect.sum()),
            "suspect_by_detector": int((judge() != 0).sum())}
     if gpu:
+        row["fused_against_reference"] = fused_against_reference(evidence, device)
         row["host_syncs_per_step"] = {"guard": host_syncs(inspect), "detector": host_syncs(judge),
                                       "trl_ops": host_syncs(trl)}
         row["guard_extra_mib"] = extra_mib(inspect, device)

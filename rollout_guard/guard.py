@@ -28,7 +28,7 @@ from rollout_guard.detector.noise import NUM_BINS
 from rollout_guard.detector.score import NUM_REGIONS
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
-from rollout_guard.packet import (PacketLayout, aggregate_rows, combine_aggregates, empty_packet, packet_dtype,
+from rollout_guard.packet import (PacketLayout, aggregate, empty_packet, packet_dtype,
                                   step_metrics)
 from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, summarise
 from rollout_guard.verdict import RULES, fired_rules
@@ -218,15 +218,15 @@ class RolloutGuard:
         detector = self.detector
         if detector.device != evidence.device:  # the state follows the evidence
             detector.to(evidence.device)
-        judgement = detector.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask)
+        judgement = detector.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask,
+                                   evidence.injected)
         samples, histogram = summarise(evidence, judgement)
         dtype = packet_dtype(evidence.device)
         head = torch.zeros(2, dtype=dtype, device=evidence.device)
         head[0] = STATUS_OK  # a fill on the device: no host→device copy
-        noise = torch.cat([judgement.noise.centre, judgement.noise.scale, detector.grown()])
+        noise = torch.cat([judgement.noise.centre, judgement.noise.scale, judgement.growth])
         return torch.cat([head, samples.flatten().to(dtype), judgement.reasons.to(dtype), histogram.to(dtype),
-                          judgement.kept_counts.flatten().to(dtype), noise.to(dtype),
-                          aggregate_rows(samples, judgement.reasons)])
+                          judgement.kept_counts.flatten().to(dtype), noise.to(dtype)])
 
     def compute(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
                 started: float, local: torch.Tensor | None) -> StepReport:
@@ -260,7 +260,7 @@ class RolloutGuard:
             check_flags=[int(flag) for _, flag in head],
             threshold=self.detector.threshold,
         )
-        report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
+        report.metrics = step_metrics(aggregate(report.samples.numpy(), reasons_host.numpy()), host.shape[0] * batch,
                                       histogram.tolist(), self.config.quarantines)
         report.metrics["guard_failures"] = float(self.totals.failures)
         report.metrics.update(self._noise_metrics(host[0, layout.noise].tolist()))

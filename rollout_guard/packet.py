@@ -11,7 +11,6 @@ offset                size                                what
 2 + B·(W+1)           NUM_DELTA_BINS                      |Δ| histogram of all compared tokens (counts)
 …                     NUM_REGIONS·NUM_BINS                the kept rollouts' ``d`` histogram (the detector learns)
 …                     3·NUM_REGIONS                       the noise judged against: centre, scale; its growth
-…                     len(AGGREGATES)                     step aggregates of this process's rollouts
 ====================  ==================================  =======================================================
 
 The verdict travels in the packet: each process judges its own rows against the detector's state, which is the
@@ -24,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from rollout_guard.detector import RULE_BIT, RULES
@@ -34,23 +34,11 @@ from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, his
 COUNTS_SIZE = NUM_REGIONS * NUM_BINS
 NOISE_SIZE = 3 * NUM_REGIONS
 
-# Per-step aggregates each process adds up over its own rollouts, so that the host reads a few numbers per rank
-# instead of reducing the whole table: (name, how ranks combine). ``*_num``/``*_den``: token-weighted means (a
-# rollout's mean weighs by the tokens it stands on; NaN means skipped). ``kept_*``: over rollouts the verdict keeps.
-# ``caught``: rollouts labelled injected (1) and suspect.
 _MEANS = (("mean_abs_delta", "compared_tokens"), ("kl_k3", "compared_tokens"),
           ("engine_mean_logprob", "engine_tokens"), ("trainer_mean_logprob", "trainer_tokens"))
-AGGREGATES = (
-    *((name, "sum") for name in ("tokens", "compared_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens")),
-    *((name, "max") for name in ("max_abs_delta", "engine_max_logprob", "trainer_max_logprob", "kept_max_abs_delta",
-                                 "max_score", "kept_max_score")),
-    *((f"{name}_{part}", "sum") for name, _ in _MEANS for part in ("num", "den")),
-    ("injected", "sum"), ("labelled", "sum"), ("suspect", "sum"), ("caught", "sum"),
-    *((f"rule/{name}", "sum") for name in RULES),
-)
-AGGREGATE = {name: index for index, (name, _) in enumerate(AGGREGATES)}
-MAX_AGGREGATES = tuple(index for index, (_, how) in enumerate(AGGREGATES) if how == "max")
-assert MAX_AGGREGATES == tuple(range(MAX_AGGREGATES[0], MAX_AGGREGATES[-1] + 1))
+"""Token-weighted means: (statistic, the tokens a rollout's value stands on)."""
+_SUMS = ("tokens", "compared_tokens", "nonfinite_engine_tokens", "nonfinite_trainer_tokens")
+_MAXIMA = ("max_abs_delta", "engine_max_logprob", "trainer_max_logprob")
 
 
 class PacketLayout(NamedTuple):
@@ -84,12 +72,8 @@ class PacketLayout(NamedTuple):
         return slice(self.counts.stop, self.counts.stop + NOISE_SIZE)
 
     @property
-    def aggregates(self) -> slice:
-        return slice(self.noise.stop, self.noise.stop + len(AGGREGATES))
-
-    @property
     def size(self) -> int:
-        return self.aggregates.stop
+        return self.noise.stop
 
 
 def packet_dtype(device: torch.device) -> torch.dtype:
@@ -104,63 +88,55 @@ def empty_packet(batch: int, status: float, device: torch.device) -> torch.Tenso
     return packet
 
 
-def aggregate_rows(samples: torch.Tensor, reasons: torch.Tensor) -> torch.Tensor:
-    """The :data:`AGGREGATES` of one process's rollouts, (len(AGGREGATES),) float64 (float32 on MPS), on their device.
+def aggregate(samples: np.ndarray, reasons: np.ndarray) -> dict[str, float]:
+    """The step's aggregates over every process's rollouts, on the host (a few dozen array operations).
 
     Args:
-        samples: (B, len(SAMPLE_COLUMNS)) per-rollout statistics.
-        reasons: (B,) verdict bitmask.
+        samples: (N, len(SAMPLE_COLUMNS)) per-rollout statistics (NaN: no token to stand on).
+        reasons: (N,) verdict bitmask.
+    Returns:
+        column sums, maxima over rollouts (NaN without any), ``kept_*`` maxima over the rollouts the verdict keeps,
+        token-weighted means as ``*_num``/``*_den``, and the injected/labelled/suspect/caught and rule counts.
 
-    >>> samples = torch.full((2, len(SAMPLE_COLUMNS)), float("nan"))
-    >>> samples[:, COLUMN["max_abs_delta"]] = torch.tensor([0.5, 9.0])
-    >>> a = aggregate_rows(samples, torch.tensor([0, 4]))
-    >>> a[AGGREGATE["max_abs_delta"]].item(), a[AGGREGATE["kept_max_abs_delta"]].item(), a[AGGREGATE["suspect"]].item()
+    >>> samples = np.full((2, len(SAMPLE_COLUMNS)), np.nan)
+    >>> samples[:, COLUMN["max_abs_delta"]] = [0.5, 9.0]
+    >>> a = aggregate(samples, np.array([0, 4]))
+    >>> a["max_abs_delta"], a["kept_max_abs_delta"], a["suspect"]
     (9.0, 0.5, 1.0)
     """
-    dtype = packet_dtype(samples.device)
-    table = samples.to(dtype)
-    column = {name: table[:, index] for name, index in COLUMN.items()}
+    column = {name: samples[:, index] for name, index in COLUMN.items()}
+    suspect = reasons != 0
+
+    def top(values: np.ndarray) -> float:
+        best = np.fmax.reduce(values, initial=-math.inf)  # NaN skipped
+        return float(best) if best != -math.inf else math.nan
+
+    totals = samples[:, [COLUMN[name] for name in _SUMS]].sum(axis=0)
+    result = {name: float(total) for name, total in zip(_SUMS, totals, strict=True)}
+    result.update({name: top(column[name]) for name in _MAXIMA})
+    result["max_score"] = top(column["score"])
+    result["kept_max_abs_delta"] = top(column["max_abs_delta"][~suspect])
+    result["kept_max_score"] = top(column["score"][~suspect])
     column["engine_tokens"] = column["tokens"] - column["nonfinite_engine_tokens"]
     column["trainer_tokens"] = column["tokens"] - column["nonfinite_trainer_tokens"]
-    suspect = reasons != 0
-    column["kept_max_abs_delta"] = torch.where(suspect, math.nan, column["max_abs_delta"])
-    column["max_score"] = column["score"]
-    column["kept_max_score"] = torch.where(suspect, math.nan, column["score"])
     for name, weight in _MEANS:
-        keep = ~torch.isnan(column[name]) & (column[weight] > 0)
-        column[f"{name}_num"] = torch.where(keep, column[name] * column[weight], 0.0)
-        column[f"{name}_den"] = torch.where(keep, column[weight], 0.0)
-    labelled = ~torch.isnan(column["injected"])
-    column["labelled"] = labelled.to(dtype)
-    column["injected"] = torch.where(labelled, column["injected"], 0.0)
-    column["suspect"] = suspect.to(dtype)
-    column["caught"] = ((column["injected"] == 1) & suspect).to(dtype)
+        keep = ~np.isnan(column[name]) & (column[weight] > 0)
+        result[f"{name}_num"] = float((column[name][keep] * column[weight][keep]).sum())
+        result[f"{name}_den"] = float(column[weight][keep].sum())
+    labelled = ~np.isnan(column["injected"])
+    injected = labelled & (column["injected"] == 1)
+    result["injected"] = float(np.where(labelled, column["injected"], 0.0).sum())
+    result["labelled"] = float(labelled.sum())
+    result["suspect"] = float(suspect.sum())
+    result["caught"] = float((injected & suspect).sum())
     for name in RULES:
-        column[f"rule/{name}"] = ((reasons & RULE_BIT[name]) != 0).to(dtype)
-    stacked = torch.stack([column[name] for name, _ in AGGREGATES], dim=1)
-    first, last = MAX_AGGREGATES[0], MAX_AGGREGATES[-1] + 1  # the maxima are contiguous
-    sums = stacked.sum(dim=0)
-    maxima = stacked[:, first:last].nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-    maxima = maxima.amax(dim=0) if stacked.shape[0] else torch.full_like(sums[first:last], -math.inf)
-    return torch.cat([sums[:first], maxima, sums[last:]])
-
-
-def combine_aggregates(per_rank: list[list[float]]) -> dict[str, float]:
-    """Aggregates of every rank (host lists, rank order) → one dict: sums added, maxima maxed (−inf → NaN)."""
-    combined = {}
-    columns = list(zip(*per_rank)) if per_rank else [()] * len(AGGREGATES)
-    for (name, how), values in zip(AGGREGATES, columns, strict=True):
-        if how == "max":
-            best = max(values) if values else -math.inf
-            combined[name] = best if best != -math.inf else math.nan
-        else:
-            combined[name] = sum(values)
-    return combined
+        result[f"rule/{name}"] = float(((reasons & RULE_BIT[name]) != 0).sum())
+    return result
 
 
 def step_metrics(aggregates: dict[str, float], samples: int, histogram: torch.Tensor | list[float],
                  quarantines: bool) -> dict[str, float]:
-    """The per-step metrics from the combined aggregates: token counts, maxima and token-weighted means, the |Δ|
+    """The per-step metrics from the step's :func:`aggregate`: token counts, maxima and token-weighted means, the |Δ|
     p99, suspect/quarantined counts and shares, rule counts and, when the batch is labelled by an injector,
     caught/missed/false alarms."""
     a = aggregates

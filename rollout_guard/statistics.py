@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from rollout_guard.detector import Judgement
+from rollout_guard.detector.fused import ROW_COLUMNS
 from rollout_guard.detector.score import region_of
 from rollout_guard.evidence import RolloutEvidence
 
@@ -39,6 +40,7 @@ SAMPLE_COLUMNS = (
     "excess",  # healthy-noise scales: the most engine-favouring token's distance from its region's centre
 )
 COLUMN = {name: index for index, name in enumerate(SAMPLE_COLUMNS)}
+assert SAMPLE_COLUMNS == ROW_COLUMNS  # the fused kernel writes them in this order
 
 # |Δ| histogram: [0, 1e-6) then 8 bins per decade up to 100 nats, then [100, inf).
 DELTA_BIN_EDGES = torch.cat([torch.zeros(1, dtype=torch.float64),
@@ -88,6 +90,8 @@ def summarise(evidence: RolloutEvidence, judgement: Judgement) -> tuple[torch.Te
     >>> samples[:, COLUMN["max_abs_delta"]].tolist(), samples[1, COLUMN["onset_token"]].item(), int(histogram.sum())
     ([0.0, 8.800000190734863], 2.0, 8)
     """
+    if judgement.samples is not None:  # the fused step computed them with the judgement
+        return judgement.samples, judgement.delta_histogram
     evidence = _at_least_one_column(evidence)
     valid = evidence.mask.bool()
     batch = valid.shape[0]

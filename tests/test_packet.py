@@ -1,4 +1,4 @@
-"""The packet's step aggregates give the same per-step metrics as reducing the whole sample table."""
+"""The step's aggregates give the same per-step metrics as reducing the whole sample table row by row."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
-from rollout_guard.packet import AGGREGATES, combine_aggregates, aggregate_rows, step_metrics
+from rollout_guard.packet import aggregate, step_metrics
 from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, histogram_quantile
 from rollout_guard.verdict import RULE_BIT, RULES
 
@@ -58,12 +58,11 @@ def random_table(rows: int, seed: int, labelled: bool) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("labelled", [False, True])
 @pytest.mark.parametrize("quarantines", [False, True])
-def test_aggregates_over_two_ranks_match_the_table(labelled, quarantines):
+def test_aggregates_match_the_table(labelled, quarantines):
     samples, reasons = random_table(40, seed=3, labelled=labelled)
     histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.int64)
     histogram[30] = 7
-    per_rank = [aggregate_rows(samples[:25], reasons[:25]).tolist(), aggregate_rows(samples[25:], reasons[25:]).tolist()]
-    metrics = step_metrics(combine_aggregates(per_rank), 40, histogram, quarantines)
+    metrics = step_metrics(aggregate(samples.numpy(), reasons.numpy()), 40, histogram, quarantines)
     expected = step_aggregates(samples, histogram)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, rel=1e-12, nan_ok=True), key
@@ -82,13 +81,10 @@ def test_aggregates_over_two_ranks_match_the_table(labelled, quarantines):
         assert "caught" not in metrics and math.isnan(metrics["injected"])
 
 
-def test_a_rank_without_samples_adds_nothing():
-    empty = aggregate_rows(torch.zeros(0, len(SAMPLE_COLUMNS)), torch.zeros(0, dtype=torch.int32))
-    assert all(value == (-math.inf if how == "max" else 0.0) for value, (_, how) in zip(empty.tolist(), AGGREGATES, strict=True))
-    samples, reasons = random_table(10, seed=4, labelled=False)
-    alone = combine_aggregates([aggregate_rows(samples, reasons).tolist()])
-    assert combine_aggregates([aggregate_rows(samples, reasons).tolist(), empty.tolist()]) == pytest.approx(alone, nan_ok=True)
-    assert math.isnan(combine_aggregates([empty.tolist()])["max_abs_delta"])
+def test_an_empty_table_has_no_maxima_and_zero_sums():
+    empty = aggregate(torch.zeros(0, len(SAMPLE_COLUMNS), dtype=torch.float64).numpy(), torch.zeros(0, dtype=torch.int32).numpy())
+    assert math.isnan(empty["max_abs_delta"]) and math.isnan(empty["kept_max_score"])
+    assert empty["tokens"] == empty["suspect"] == empty["mean_abs_delta_den"] == 0.0
 
 
 def test_guard_metrics_equal_the_table_reduction():

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, noise_of, tail_rarity
+from rollout_guard.detector import fused
+from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, tail_rarity
 from rollout_guard.detector.score import NUM_REGIONS, region_of, row_scores
 
 RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score")
@@ -34,6 +35,9 @@ class Judgement(NamedTuple):
     reasons: torch.Tensor  # (B,) int32 bitmask over RULES; nonzero: suspect
     kept_counts: torch.Tensor  # (NUM_REGIONS, NUM_BINS) float64: the kept rows' d histogram, to sum over processes
     noise: Noise  # the healthy noise the rows were judged against (the run's, this batch's tokens included)
+    growth: torch.Tensor  # (NUM_REGIONS,) the run's noise scale over its early level (Detector.grown)
+    samples: torch.Tensor | None = None  # (B, len(fused.ROW_COLUMNS)) float32 per-row statistics, on CUDA
+    delta_histogram: torch.Tensor | None = None  # (NUM_DELTA_BINS,) int64 |Δ| histogram of the read tokens, on CUDA
 
     @property
     def suspect(self) -> torch.Tensor:
@@ -80,10 +84,12 @@ class Detector:
         """Forget the run's noise (back to the prior): when the sampling settings or the engine change."""
         for name, shape in self.STATE.items():
             setattr(self, name, torch.zeros(shape, dtype=torch.float64, device=self.device))
+        self._graphs: dict[str, fused.Graphed] = {}
 
     def to(self, device: torch.device | str) -> Detector:
         """Move the state to ``device`` (in place; returns self)."""
         self.device = torch.device(device)
+        self._graphs = {}
         for name in self.STATE:
             setattr(self, name, getattr(self, name).to(self.device))
         return self
@@ -102,13 +108,18 @@ class Detector:
         """The run's healthy noise so far (kept rows only), shrunk towards the prior."""
         return healthy_noise(self.counts)
 
-    def judge(self, engine: torch.Tensor | None, trainer: torch.Tensor | None, mask: torch.Tensor) -> Judgement:
+    def judge(self, engine: torch.Tensor | None, trainer: torch.Tensor | None, mask: torch.Tensor,
+              injected: torch.Tensor | None = None) -> Judgement:
         """Judge (B, T) engine and trainer logprobs (nats) over the (B, T) loss mask; no host sync. With one side
         missing (``None``) only the other's non-finite values are judged: nothing is compared.
 
         The noise is the run's with this batch's tokens added (the scale reads their trainer-favouring side, which
         corruption mostly does not reach), so that a run broken from its first step is judged against its own
-        noise."""
+        noise. On a CUDA device with Triton, both sides present, the step runs fused (:mod:`.fused`) and the
+        judgement also carries the rows' statistics (``injected``: (B,) labels for their column)."""
+        if (engine is not None and trainer is not None and engine.shape[-1] > 0 and engine.shape == trainer.shape
+                and fused.available(engine.device)):
+            return self._judge_fused(engine, trainer, mask, injected)
         mask = mask.bool()
         both = engine is not None and trainer is not None
         present = engine if engine is not None else trainer
@@ -137,20 +148,44 @@ class Detector:
         if self.ceiling is not None:
             reasons |= ((delta.abs() > self.ceiling) & read).any(-1).int() * RULE_BIT["ceiling"]
         kept = histogram(delta, region, read & (reasons == 0).unsqueeze(-1))
-        return Judgement(scored.score, scored.onset, scored.excess, reasons, kept, noise)
+        return Judgement(scored.score, scored.onset, scored.excess, reasons, kept, noise, self.grown())
+
+    def _graphed(self, name: str, fn, *examples: torch.Tensor) -> fused.Graphed:
+        if name not in self._graphs:
+            self._graphs[name] = fused.Graphed(fn, *examples)
+        return self._graphs[name]
+
+    def _judge_fused(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor,
+                     injected: torch.Tensor | None) -> Judgement:
+        engine, trainer, mask = engine.contiguous(), trainer.contiguous(), mask.contiguous()
+        batch, delta_histogram = fused.token_histograms(engine, trainer, mask)
+        if not self.batch_noise:
+            batch = torch.zeros_like(batch)
+        args = (self.counts, batch, self.early_scale)
+        tables = self._graphed("tables", fused.noise_tables, *args)(*args)
+        summary = tables.noise.clone()  # the graph's outputs are overwritten by its next replay
+        rows = fused.judge_rows(engine, trainer, mask, injected, tables, self.threshold, self.ceiling)
+        kept, _ = fused.token_histograms(engine, trainer, mask, rows.reasons, with_delta=False)
+        noise = Noise(summary[0], summary[1], torch.full_like(summary[0], math.nan))
+        excess = rows.samples[:, fused.ROW_COLUMNS.index("excess")]
+        return Judgement(rows.score, rows.onset, excess, rows.reasons, kept, noise, summary[2], rows.samples,
+                         delta_histogram)
 
     def update(self, kept_counts: torch.Tensor) -> None:
         """Learn from a step's kept tokens: ``kept_counts`` summed over every process (the same on each), so that
         every process holds the same state."""
-        before = self.counts.sum(1)
-        self.counts = self.counts + kept_counts.to(self.counts)
-        reached = (before < EARLY_TOKENS) & (self.counts.sum(1) >= EARLY_TOKENS)  # no host sync: a where, each step
-        self.early_scale = torch.where(reached, noise_of(self.counts).scale, self.early_scale)
+        if fused.available(self.counts.device):  # one graph replay; its outputs copied out of the graph's pool
+            args = (self.counts, self.early_scale, kept_counts.to(self.counts))
+            counts, early = self._graphed("learn", _learn, *args)(*args)
+            self.counts, self.early_scale = counts.clone(), early.clone()
+            return
+        self.counts, self.early_scale = _learn(self.counts, self.early_scale, kept_counts.to(self.counts))
 
     def grown(self) -> torch.Tensor:
         """(NUM_REGIONS,) the run's noise scale over its early level per region (NaN before the early level is
         recorded); above :data:`GROWTH_ALERT`, the healthy noise has grown in a way a fixed stack does not."""
-        now = noise_of(self.counts).scale
-        return torch.where(self.early_scale > 0, now / self.early_scale.clamp(min=1e-30),
-                           torch.full_like(now, math.nan))
+        return fused.growth_of(self.counts, self.early_scale)
 
+
+def _learn(counts: torch.Tensor, early_scale: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused.learn(counts, early_scale, kept, EARLY_TOKENS)
