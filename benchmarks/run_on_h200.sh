@@ -12,7 +12,7 @@ python3 -c "import torch, transformers, accelerate, trl, datasets, pyarrow; prin
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 PART=${PART:-all}  # "bench": the one-GPU benchmarks only; "runs": the GRPO runs only (each fits one 10-minute call);
 # "fidelity": the fidelity benchmark (below); "sharded": the GRPO example under FSDP1, FSDP2 and DeepSpeed ZeRO-3 on
-# one GPU (deepspeed and its deps on PYTHONPATH: results-2026-12-02-seventeenth/README.md says how they travelled)
+# one GPU (deepspeed and its deps on PYTHONPATH)
 if [ "$PART" = fidelity ]; then
   # benchmarks/fidelity.py --device cuda --same-support for each of RUNS ("name|seconds|options;..."), JOBS at a time,
   # each with nproc / JOBS CPU threads (four side by side taking all 16 cores each finished none in 530 s); every
