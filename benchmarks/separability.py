@@ -23,7 +23,7 @@ would be (its false share then varies around 0.1 % from half to half).
 Why out of sample: scored against its own tokens too, a clean row's rarest token is never
 rarer than one in N/2 while a fault's token past a sparse cell's clean maximum, by any margin, is one in N; fresh
 rows drawn from the clean rows' own distribution then scored as faults 9 times as often as the 0.1 % allowed
-(``tests/test_separability.py``), and on the benchmark that in-sample bound reached 99.9 % in 197 cells where this
+(``benchmarks/tests/test_separability.py``), and on the benchmark that in-sample bound reached 99.9 % in 197 cells where this
 one reaches it in 171 (both are in the table, out of sample / in sample). Left out of its own row alone, without the
 tail past the maximum, every clean row that holds a cell's largest |d| scores as high as any fault, and nothing
 sparse is separable (68 cells).
