@@ -26,3 +26,10 @@ def test_the_range_matches_the_trl_extra():
 
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert f'trl = ["{trl_versions.REQUIREMENT}"' in pyproject
+
+
+def test_installed_versions_are_read_from_the_distribution_and_a_missing_one_is_none():
+    import pytest
+
+    assert trl_versions.version("pytest") == pytest.__version__
+    assert trl_versions.version("no-such-distribution-rollout-guard") is None
