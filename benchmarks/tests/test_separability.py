@@ -1,5 +1,5 @@
 """The hindsight bound's price of the goal (``benchmarks/separability.py``): the share of clean samples an oracle
-must quarantine to catch 99.9 % of the faulty ones, the point of the trade-off curve the README quotes."""
+must quarantine to catch 99.9 % of the faulty ones, a point of the trade-off curve."""
 
 from __future__ import annotations
 
