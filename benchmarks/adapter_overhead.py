@@ -1,5 +1,5 @@
 """What the whole TRL adapter costs per step, next to a forward+backward of a ~1 B-parameter model over the same
-tokens (issue 12 part 1; goal ≤ 1 % of that step).
+tokens (goal: ≤ 1 % of that step).
 
 The adapter's step is ``TrlGuard.guard_batch`` as TRL calls it: evidence from the batch, the advantage replica
 check, ``RolloutGuard.inspect`` (statistics, one gather, one host copy, verdict), the quarantine action, the

@@ -1,4 +1,4 @@
-"""Cost of the engine context (issue 13): no extra engine round trip in colocate mode, so the cost is
+"""Cost of the engine context: no extra engine round trip in colocate mode, so the cost is
 
 1. host work per generation call: turning the ``RequestOutput``\\s TRL already receives into one context per rollout
    (:func:`rollout_guard.integrations.vllm_context.rollout_contexts`: fingerprint of the completion, per-rollout window over
@@ -7,7 +7,7 @@
 2. vLLM's own stats (``disable_log_stats=False``, needed for timings, KV-cache usage and running requests): the same
    generate calls on a real engine with stats off and on, each in its own process (``--engine``).
 
-    python benchmarks/engine_context_overhead.py --host --engine --out benchmarks/results-engine-context.json
+    python benchmarks/engine_context_overhead.py --host --engine --out benchmarks/results/engine_context/overhead.json
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ conditions, false quarantines of unique clean rows (and the worst condition's sh
 resampled clean rows (and the worst condition's share) and cells at the goal; then, with ``--below``, every cell
 of the first file that is below the goal (≥ 99.9 % recall, ≤ 0.1 % false) with its count.
 
-    python benchmarks/fidelity_summary.py benchmarks/results-2026-12-04-thirtyfourth/first-step-told.json \
-        benchmarks/results-2026-12-04-thirtyfourth/first-step-seed{1,2,3}.json --below
+    python benchmarks/fidelity_summary.py runs/fidelity/results-defaults.json runs/fidelity-seed1/results-defaults.json --below
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ promised shape. The dense-7B model's broad part is ~0 (σ0 1e−5: the measured 
 published share), so there the noise is the measured one, whose shape has no closed form: those conditions are
 not scored.
 
-Two options take knowledge away from the test (twenty-eighth session). ``--noise learned``: instead of σ0 and the
+Two options take knowledge away from the test. ``--noise learned``: instead of σ0 and the
 model's shape, each 0.25-nat engine bin's mean and sd, read from the fit half's *noisy* clean rows
 (:func:`learned_noise`, |x| read at most 4 nats) — what a guard could read from its own kept tokens; the test
 still assumes the Gaussian. With it ``--noise-shape flat|softmax`` (``fidelity.py``'s) can be scored too.

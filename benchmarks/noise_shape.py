@@ -17,7 +17,7 @@ a factor of about e^0.25 ≈ 1.3 in a typical bin. With independent logit errors
 σ0 · (1 − p) (``noise.py``'s docstring), which is what the fit tests. The small models' mismatch is tiny (sd ≤ 0.03
 nats); its shape, not its size, is what carries over, and only as far as a 7B run's numerics work the same way.
 
-    python benchmarks/noise_shape.py --out benchmarks/results-2026-12-05-thirtyseventh   # noise-shape.{md,json}
+    python benchmarks/noise_shape.py --out runs/noise_shape   # noise-shape.{md,json}
 """
 
 from __future__ import annotations

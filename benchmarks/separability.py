@@ -16,14 +16,14 @@ with m the largest clean |d| of the cell below it and β the cell's exponential 
 its 20 largest |d| over the 21st). A sample scores ``A = max s`` (its rarest token), ``B = Σ relu(s − ln 100)``
 and ``C = Σ relu(s − ln 1000)`` (many rare tokens). Thresholds are set *with hindsight* on the condition's clean
 samples so that at most 0.1 % of them score above (one score alone, or two at 0.05 % each), and the best recall
-over those choices is reported. Held out (:func:`cross_fitted`, twenty-second session): the choice and its
+over those choices is reported. Held out (:func:`cross_fitted`): the choice and its
 thresholds made on a random half of a cell's samples and counted on the other half, as a rule fixed in advance
 would be (its false share then varies around 0.1 % from half to half).
 
-Why out of sample (sixteenth session): scored against its own tokens too, a clean row's rarest token is never
+Why out of sample: scored against its own tokens too, a clean row's rarest token is never
 rarer than one in N/2 while a fault's token past a sparse cell's clean maximum, by any margin, is one in N; fresh
 rows drawn from the clean rows' own distribution then scored as faults 9 times as often as the 0.1 % allowed
-(``tests/test_separability.py``), and on the benchmark that in-sample bound reached 99.9 % in 197 cells where this
+(``benchmarks/tests/test_separability.py``), and on the benchmark that in-sample bound reached 99.9 % in 197 cells where this
 one reaches it in 171 (both are in the table, out of sample / in sample). Left out of its own row alone, without the
 tail past the maximum, every clean row that holds a cell's largest |d| scores as high as any fault, and nothing
 sparse is separable (68 cells).

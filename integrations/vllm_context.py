@@ -37,9 +37,6 @@ ROLLOUT_FIELDS = (
     "last_token_s",
     "kv_cache_usage_max", "kv_cache_usage_mean", "running_requests_max", "waiting_requests_max", "engine_preemptions",
 )
-# the per-rollout fields that need vLLM's stats (``disable_log_stats=False``)
-STATS_FIELDS = ("preemptions", "queued_s", "scheduled_s", "first_token_s", "last_token_s", "kv_cache_usage_max",
-                "kv_cache_usage_mean", "running_requests_max", "waiting_requests_max", "engine_preemptions")
 
 
 FINGERPRINT_TOKENS = 32  # tokens from each end of a completion that enter its fingerprint
@@ -388,10 +385,6 @@ def server_settings(text: str) -> dict[str, Any]:
             "enable_prefix_caching": convert(labels.get("enable_prefix_caching")),
             "kv_cache_dtype": convert(labels.get("cache_dtype")),
             "gpu_memory_utilization": convert(labels.get("gpu_memory_utilization"))}
-
-
-SERVER_STEP_FIELDS = ("kv_cache_usage", "running_requests", "waiting_requests", "preemptions", "prefix_cache_hit_share",
-                      "requests_finished", "queue_seconds_mean", "time_to_first_token_mean", "generation_tokens")
 
 
 def server_step_context(now: dict[str, float], before: dict[str, float] | None, engines: int = 1) -> dict[str, float]:

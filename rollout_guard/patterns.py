@@ -99,8 +99,10 @@ def classify_pattern(replayed: torch.Tensor, fresh: torch.Tensor | None = None, 
         spike_max_tokens: tokens; up to this many high tokens that are not persistent are ``isolated_spikes``,
             and so are more of them when they cover less than ``persistence`` of the tail. Default 3 (the
             selective-scan overflow of vLLM PR #35275 showed as 1–3 spikes).
-        start_tokens, start_share: an onset before ``max(start_tokens, start_share · T)`` is "from the start";
-            later is ``late_onset``. Defaults 2 tokens and 0.2 (the fault zoo's late onset is the last 10–20 %).
+        start_tokens: tokens; an onset before ``max(start_tokens, start_share · T)`` is "from the start", later
+            is ``late_onset``. Default 2.
+        start_share: share (0–1) of the row's T tokens, with ``start_tokens``. Default 0.2 (the fault zoo's late
+            onset is the last 10–20 %).
         persistence: share (0–1) of high tokens from the onset to the end for a divergence to count as
             persistent rather than spikes. Default 0.5.
 

@@ -23,7 +23,7 @@ def test_foreign_context_comes_from_another_group_or_is_reversed():
 
 def test_a_single_group_batch_takes_a_real_prompt_from_an_earlier_step():
     """TRL's defaults make a generation batch one group: the foreign context must still be another real prompt
-    (release 0.1 sent the reversed prompt, and the copy model answered with a lone EOS)."""
+    (a reversed prompt would make the copy model answer with a lone EOS)."""
     pool = ContextPool(seed=0)
     first = plan_injection([[5, 6, 7, 8, 9, 0]] * 4, torch.tensor([True, False, False, False]), group_size=4, pool=pool)
     body = first.contexts[0]

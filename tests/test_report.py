@@ -106,7 +106,7 @@ def _statistics_only(step: int, row: int) -> QuarantineRecord:
 
 
 def test_records_without_tokens_are_tabled_but_not_drawn(tmp_path):
-    """Issue 12: records beyond evidence_samples_per_step carry statistics only; the report tables them (marked) and
+    """Records beyond evidence_samples_per_step carry statistics only; the report tables them (marked) and
     draws token charts from full records only, even when a statistics-only one has the larger |Δ|."""
     from rollout_guard.report import STATISTICS_ONLY
     from rollout_guard.store import QuarantineStore

@@ -1,10 +1,8 @@
 """The repository's working tree stays small enough to travel to the device machine.
 
-The device machine (``benchmarks/run_on_h200.sh``) takes a copy of the working tree plus the wheels carried in
-``.whl/``, at most 64 MiB in all: 10 MiB is left for the wheels (trl, datasets and their small deps; the
-thirty-eighth session carried 160 KiB, typer and its two deps). In the thirty-eighth session the tracked files had
-grown to 63.1 MiB and the device refused the call; the results JSON, 16.5 MB of it, are now kept gzipped
-(``benchmarks/fidelity_kit/results_file.py``).
+The device machine that runs the GPU benchmarks takes a copy of the working tree plus the wheels carried in
+``.whl/``, at most 64 MiB in all: 10 MiB is left for the wheels (trl, datasets and their small deps; typer and its
+two deps take 160 KiB). Results JSON are kept gzipped (``benchmarks/fidelity_kit/results_file.py``).
 """
 
 from __future__ import annotations

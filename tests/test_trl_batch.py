@@ -1,4 +1,4 @@
-"""The TRL adapter's pure batch transforms add no host sync to a step (issue 9 point 6)."""
+"""The TRL adapter's pure batch transforms add no host sync to a step."""
 
 from __future__ import annotations
 

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import doctest
 import logging
 
 import rollout_guard.integrations.trl_versions as trl_versions
-
-
-def test_doctests():
-    assert doctest.testmod(trl_versions).failed == 0
 
 
 def test_a_trl_outside_the_range_is_named_in_a_warning(caplog):
@@ -26,3 +21,10 @@ def test_the_range_matches_the_trl_extra():
 
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert f'trl = ["{trl_versions.REQUIREMENT}"' in pyproject
+
+
+def test_installed_versions_are_read_from_the_distribution_and_a_missing_one_is_none():
+    import pytest
+
+    assert trl_versions.version("pytest") == pytest.__version__
+    assert trl_versions.version("no-such-distribution-rollout-guard") is None

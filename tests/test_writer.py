@@ -1,4 +1,4 @@
-"""The background writer (issue 12 part 1): order, backpressure without drops, errors kept for the training
+"""The background writer: order, backpressure without drops, errors kept for the training
 thread, close drains; and the worst-K choice of full evidence."""
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def describe(rollouts: Rollouts) -> dict:
 
 
 SUPPORT_MASS_ERROR = 0.025  # nats: sd of the trainer's log-mass error in the top_k = 5 model on the engine's support
-SUPPORT_ERROR_SCALE = 1.0  # multiplies both stand-in errors (a sensitivity knob; results-2026-12-02-fourteenth)
+SUPPORT_ERROR_SCALE = 1.0  # multiplies both stand-in errors (a sensitivity knob)
 
 
 def topk_high_entropy(rollouts: Rollouts, generator: torch.Generator, same_support: bool = False) -> Rollouts:

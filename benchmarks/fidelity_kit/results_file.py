@@ -1,9 +1,9 @@
 """Reading a benchmark's results JSON, stored plain or gzipped.
 
-The results folders (``benchmarks/results-*/``) keep their JSON gzipped, ``NAME.json.gz`` (``gzip -9n``): plain,
-they were 16.5 MB of the repository's 63 MiB, and the device machine takes a working tree of at most 64 MiB with
-the wheels it carries. The READMEs name each file as it was written, ``NAME.json``; :func:`read_results` takes
-that name and reads the gzipped copy where only it exists, so the commands quoted there run as written.
+The results folder (``benchmarks/results/<benchmark>/``) keeps its JSON gzipped, ``NAME.json.gz`` (``gzip -9n``),
+so that the working tree stays small enough for the device machine (64 MiB with the wheels it carries). A document
+may name a file as the benchmark wrote it, ``NAME.json``; :func:`read_results` takes that name and reads the gzipped
+copy where only it exists, so the commands quoted there run as written.
 """
 
 from __future__ import annotations

@@ -38,8 +38,7 @@ One concern per module:
 ``records``: evidence records of suspect samples. ``engine_context``: the vLLM engine's context of each rollout.
 ``checkpoint``: the guard's state next to TRL checkpoints.
 ``fault_injection``: stale-context corruption of vLLM rollouts. ``capture``: host copies of each step, for tests.
-``versions``: installed TRL/vLLM/transformers versions (the supported range:
-``rollout_guard.integrations.trl_versions``).
+The supported TRL range and the installed TRL/vLLM/transformers versions: ``rollout_guard.integrations.trl_versions``.
 """
 
 from rollout_guard.extras import require_extra

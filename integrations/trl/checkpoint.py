@@ -42,8 +42,8 @@ def load_state(guard: RolloutGuard, checkpoint_dir: str | Path) -> dict | None:
 
 
 def saved_step(state: dict) -> int:
-    """The training step a saved state belongs to: the checkpoint's global step, or (state files written before
-    it was recorded) the last step in the guard's history."""
+    """The training step a saved state belongs to: the checkpoint's global step, or (a state saved without one) the
+    last step in the guard's history."""
     if state.get("global_step") is not None:
         return int(state["global_step"])
     history = state.get("totals", {}).get("history", [])

@@ -12,7 +12,7 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import StepReport
 from rollout_guard.integrations.trl.batch import require
-from rollout_guard.integrations.trl.versions import version, vllm_version
+from rollout_guard.integrations.trl_versions import version, vllm_version
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
 from rollout_guard.verdict import explain, rule_names

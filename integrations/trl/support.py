@@ -86,7 +86,7 @@ def head_vocabulary(head: torch.nn.Module) -> int:
     """The LM head's output size: an ``nn.Linear``'s ``out_features``, else its weight's rows. Metadata, not the
     weight: DeepSpeed ZeRO-3 empties the weight outside the head's forward, and reading it during another module's
     forward (the backbone's hook) makes ZeRO-3 gather it there and register it as an external parameter of the
-    model's root (checked with deepspeed 0.19.8: ``benchmarks/results-2026-12-02-seventeenth/zero3_probe/``)."""
+    model's root (as deepspeed 0.19.8 does)."""
     size = getattr(head, "out_features", None)
     return int(size) if size else int(head.weight.shape[0])
 

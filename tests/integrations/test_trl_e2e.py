@@ -149,8 +149,8 @@ def test_colocate_logs_step_metrics_and_writes_evidence(colocate):
 
 
 def test_injection_in_a_single_group_batch_writes_real_text_from_another_prompt(tmp_path_factory, tiny_model_dir):
-    """With TRL's default layout (one group per generation batch) release 0.1 fell back to the reversed prompt
-    and every corrupted completion was a lone EOS; now the foreign context is a prompt of an earlier step."""
+    """With TRL's default layout (one group per generation batch) the foreign context is a prompt of an earlier
+    step, so a corrupted completion is real text, not a lone EOS (what the copy model answers to a reversed prompt)."""
     result, _ = run_scenario("single_group", tmp_path_factory, tiny_model_dir, steps=6)
     lengths = []
     for raw, injected, report in zip(result["raw"], result["injected"], result["reports"], strict=True):

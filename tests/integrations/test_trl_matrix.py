@@ -1,4 +1,4 @@
-"""TRL's settings checked against TRL itself (issue 9): real GRPOTrainer runs of tests/integrations/trl_matrix.py.
+"""TRL's settings checked against TRL itself: real GRPOTrainer runs of tests/integrations/trl_matrix.py.
 
 With nothing excluded, the guard's replica must reproduce the advantages TRL computed, in every setting; with
 quarantined rows, the loss and gradient TRL computes from the guarded batch must equal those of the batch without

@@ -255,8 +255,7 @@ def test_a_policy_sharded_over_two_processes_is_captured_exactly(high_entropy_mo
     """FSDP2 over two CPU processes (gloo), as accelerate's FSDP2 plugin shards a policy: outside the forward each
     process holds about half of the LM head (in the root unit, or in a unit of its own); through TRL's scoring call
     the hook's log Z still equals an unsharded copy's, and no token falls back. (On one H200, accelerate's FSDP1
-    and FSDP2 plugins ran the whole GRPO loop of ``examples/two_process_grpo.py --top-k 5``:
-    ``benchmarks/results-2026-12-02-fifteenth``.)"""
+    and FSDP2 plugins run the whole GRPO loop of ``examples/two_process_grpo.py --top-k 5``.)"""
     import json
     import os
     import sys
@@ -285,8 +284,8 @@ def test_a_head_whose_weight_is_gathered_only_in_its_forward_is_read_by_its_outp
     logits are whole; the tile size and the ids' range come from the head's output size (``out_features``), not
     the weight (empty here: a vocabulary of 0, a division by zero). Real ZeRO-3 also gathers a parameter that is
     read during any forward, so there the weight's shape would have been whole, at the cost of gathering the head
-    early and registering it as an external parameter of the root (deepspeed 0.19.8 on CPU:
-    ``benchmarks/results-2026-12-02-seventeenth/zero3_probe/``); this emulation has no such getter."""
+    early and registering it as an external parameter of the root (deepspeed 0.19.8 on CPU); this emulation has no
+    such getter."""
     from rollout_guard.integrations.trl.support import token_log_mass
 
     generator = torch.Generator().manual_seed(0)
