@@ -43,12 +43,15 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
     """The end-of-training summary, one string per line (``directory``: where the guard's local files are)."""
     totals = guard.totals
     checks = [f"  checks: {guard.checks}"] if guard.checks is not None else []
-    if not totals.steps:
+    if not totals.steps and not totals.failures:
         return ["rollout_guard: no training step was guarded.", *checks]
     quarantines = guard.config.quarantines
     count = totals.quarantined if quarantines else totals.suspect
     verb = "quarantined (kept out of the loss)" if quarantines else "suspect (monitor mode: all kept in the loss)"
-    steps = f"{totals.steps} step" + ("s" if totals.steps != 1 else "")
+    every = totals.steps + totals.failures
+    steps = f"{every} step" + ("s" if every != 1 else "")
+    if totals.failures:
+        steps += f" ({totals.failures} UNGUARDED)"
     lines = [f"rollout_guard: {steps}, {totals.rollouts} rollouts judged; {count} {verb}, "
              f"{count / max(totals.rollouts, 1):.2%}."]
     lines.extend(checks)

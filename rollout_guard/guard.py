@@ -86,7 +86,7 @@ class StepReport:
 
 
 _COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps",
-             "failures", "output_failures", "steps_above_ceiling")
+             "failures", "consecutive_failures", "output_failures", "steps_above_ceiling")
 
 
 @dataclass
@@ -102,6 +102,7 @@ class GuardTotals:
     false_alarms: int = 0  # suspect but not injected (counted only when an injector labels the batch)
     labelled_steps: int = 0  # steps whose batch carried injector labels
     failures: int = 0  # steps the guard could not judge (non-strict mode): their batches passed through unguarded
+    consecutive_failures: int = 0  # failures since the last judged step (max_consecutive_failures)
     # failures, on this process, of what is written or collected beside the verdict (records, decoding, sinks, the
     # engine context; non-strict mode): those steps were judged
     output_failures: int = 0
@@ -262,6 +263,8 @@ class RolloutGuard:
         )
         report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
                                       histogram.tolist(), self.config.quarantines)
+        self.totals.consecutive_failures = 0
+        report.metrics["guarded"] = 1.0
         report.metrics["guard_failures"] = float(self.totals.failures)
         report.metrics.update(self._noise_metrics(host[0, layout.noise].tolist()))
         report.alerts = self.alerts.check(step, report.metrics)
@@ -296,10 +299,18 @@ class RolloutGuard:
             if error is not None:
                 raise error
             raise GuardError(f"rollout_guard failed {where} at step {step}; that process's log names the field")
-        self.totals.failures += 1
+        totals = self.totals
+        totals.failures += 1
+        totals.consecutive_failures += 1
         cause = error if error is not None else "that process's log names the cause"
+        limit = self.config.max_consecutive_failures
+        if limit is not None and totals.consecutive_failures >= limit:
+            raise GuardError(f"rollout_guard could not judge {totals.consecutive_failures} steps in a row (the last, "
+                             f"step {step}, {where}: {cause}); their batches passed through unguarded. Stopping "
+                             "rather than training unguarded: fix the cause, or raise "
+                             "GuardConfig.max_consecutive_failures (None: never stop for failures)") from error
         logger.warning("rollout_guard: could not judge step %s (%s: %s); the batch passes through unguarded. "
-                       "Failures so far: %s", step, where, cause, self.totals.failures)
+                       "Failures so far: %s", step, where, cause, totals.failures)
         world = max(len(statuses), 1)
         empty = torch.zeros(world * batch, dtype=torch.bool)
         report = StepReport(
@@ -312,8 +323,16 @@ class RolloutGuard:
             check_flags=[int(flag) for flag in head[:, 1].tolist()],
         )
         self.last_guard_seconds = time.perf_counter() - started
-        report.metrics = {"guard_failures": float(self.totals.failures), "suspect": 0.0, "quarantined": 0.0,
-                          "guard_seconds": self.last_guard_seconds}
+        report.metrics = {"guarded": 0.0, "guard_failures": float(totals.failures), "suspect": 0.0,
+                          "quarantined": 0.0, "guard_seconds": self.last_guard_seconds}
+        alert = self.alerts.error("guard_failure", step, float(totals.failures), 0.0,
+                                  f"rollout_guard could not judge step {step}",
+                                  f"The guard failed {where} at step {step} ({cause}); the batch passed through "
+                                  f"unguarded. Failures so far: "
+                                  f"{totals.failures}, {totals.consecutive_failures} in a row"
+                                  + (f" (training stops at {limit} in a row)." if limit is not None else "."))
+        if alert is not None:
+            report.alerts.append(alert)
         return report
 
     def _circuit_breaker(self, report: StepReport) -> None:
@@ -394,7 +413,7 @@ class RolloutGuard:
     def summary(self) -> dict[str, float]:
         totals = self.totals
         summary = {
-            "steps": totals.steps, "rollouts": totals.rollouts, "suspect": totals.suspect,
+            "steps": totals.steps + totals.failures, "guarded_steps": totals.steps, "rollouts": totals.rollouts, "suspect": totals.suspect,
             "quarantined": totals.quarantined, "alerts": self.alerts.sent, "guard_failures": totals.failures,
             "output_failures": totals.output_failures,
             **{f"rule/{k}": v for k, v in totals.rule_counts.items()},

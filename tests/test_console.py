@@ -106,3 +106,14 @@ def test_the_trl_adapter_adds_the_console_by_default(tmp_path):
     sinks = default_sinks("none", GuardConfig(), tmp_path)
     assert [type(sink).__name__ for sink in sinks] == ["LocalFilesSink", "ConsoleSink"]
     assert sinks[1].directory == tmp_path
+
+
+def test_a_step_passed_through_unguarded_is_logged_as_an_error_and_counted_in_the_summary(caplog):
+    guard = RolloutGuard(GuardConfig())
+    sink = ConsoleSink()
+    with caplog.at_level(logging.INFO, logger="rollout_guard"):
+        sink.on_step(guard.inspect(evidence(0), step=1), guard)
+        sink.on_step(guard.inspect(RuntimeError("no trainer logprobs"), step=2, batch_size=8), guard)
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "could not judge step 2" in errors[0] and "no trainer logprobs" in errors[0]
+    assert summary_lines(guard)[0].startswith("rollout_guard: 2 steps (1 UNGUARDED), 8 rollouts judged")

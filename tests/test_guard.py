@@ -6,6 +6,7 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.errors import GuardError
 from rollout_guard.guard import RolloutGuard
 
 
@@ -268,3 +269,48 @@ def test_a_noise_that_grows_over_the_run_raises_a_growth_alert():
         kinds["growing"] += [a.kind for a in report.alerts]
     assert "noise_growth" not in kinds["steady"]
     assert "noise_growth" in kinds["growing"] and report.metrics["noise/growth_r3"] > 2.0
+
+
+def test_a_step_the_guard_cannot_judge_is_an_error_alert_a_guarded_zero_and_a_counted_step():
+    guard = RolloutGuard(GuardConfig(alert_cooldown_steps=1))
+    assert guard.inspect(batch(0, []), step=1).metrics["guarded"] == 1.0
+    report = guard.inspect(RuntimeError("the evidence could not be built"), step=2, batch_size=8)
+    assert report.skipped and report.metrics["guarded"] == 0.0
+    [alert] = report.alerts
+    assert (alert.kind, alert.level, alert.step) == ("guard_failure", "ERROR", 2)
+    assert "the evidence could not be built" in alert.text and "passed through unguarded" in alert.text
+    summary = guard.summary()
+    assert summary["steps"] == 2 and summary["guarded_steps"] == 1 and summary["guard_failures"] == 1
+
+
+def test_consecutive_failures_up_to_the_limit_raise_and_a_judged_step_resets_the_count():
+    guard = RolloutGuard(GuardConfig(max_consecutive_failures=3))
+    failing = RuntimeError("the trainer logprobs were missing")
+    for step, evidence in enumerate([failing, failing, batch(0, []), failing, failing], start=1):
+        guard.inspect(evidence, step=step, batch_size=8)
+    with pytest.raises(GuardError, match="could not judge 3 steps in a row .*the trainer logprobs were missing"):
+        guard.inspect(failing, step=6, batch_size=8)
+    endless = RolloutGuard(GuardConfig(max_consecutive_failures=None))
+    for step in range(1, 30):
+        assert endless.inspect(failing, step=step, batch_size=8).skipped
+    assert endless.summary()["guard_failures"] == 29
+
+
+def test_consecutive_failures_on_one_rank_raise_on_every_rank_at_the_same_step():
+    group = ThreadGroup(2)
+    guards = [RolloutGuard(GuardConfig(max_consecutive_failures=2), gather=group.gather_for(rank), process_index=rank)
+              for rank in range(2)]
+    raised: list[object] = [None, None]
+
+    def run(rank: int) -> None:
+        for step in (1, 2):
+            evidence = batch(step, []) if rank == 0 else RuntimeError("rank 1 cannot build its packet")
+            try:
+                guards[rank].inspect(evidence, step=step, batch_size=8)
+            except GuardError as error:
+                raised[rank] = (step, str(error))
+                return
+
+    group.run(run)
+    assert group.calls == [2, 2]
+    assert [entry[0] for entry in raised] == [2, 2]

@@ -46,8 +46,8 @@ OUTPUT_CHECK = 4  # strict mode: writing this process's outputs (records, decodi
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
 TRL_METRIC_PREFIX = "rollout_guard_window_mean/"
-TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined",
-                   "guard_seconds",
+TRL_METRIC_KEYS = ("guarded", "max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect",
+                   "quarantined", "guard_seconds",
                    "overhead_seconds")
 
 
