@@ -116,10 +116,11 @@ class GuardConfig:
     """steps. Consecutive steps above ``max_quarantine_share`` before the circuit breaker trips. Default 1."""
 
     on_ceiling: str = "stop"
-    """``"stop"``: end training cleanly after the current step, with a message saying why (``trainer.train()``
-    returns normally: check ``summary.json["stopped"]``). ``"raise"``: raise ``CircuitBreakerTripped`` (a
-    ``GuardError``) from ``trainer.train()`` once the guard's records and summary are written, so a script or
-    pipeline cannot mistake the stop for success. ``"alert"``: send an error-level alert (at most once per
+    """``"stop"``: end training cleanly after the current step (its update done), then raise
+    ``CircuitBreakerTripped`` (a ``GuardError``) from ``trainer.train()``, saying why, once the guard's records and
+    summary are written, so that a script or pipeline cannot mistake the stop for success. ``"raise"``: raise
+    ``CircuitBreakerTripped`` at once, inside the step that tripped (its batch is not trained on), once the guard's
+    records and summary are written. ``"alert"``: send an error-level alert (at most once per
     ``alert_cooldown_steps``) and go on. In monitor mode the breaker always only alerts. Default ``"stop"``."""
 
     strict: bool = False

@@ -86,7 +86,7 @@ class StepReport:
 
 
 _COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps",
-             "failures", "consecutive_failures", "output_failures", "steps_above_ceiling")
+             "failures", "consecutive_failures", "output_failures", "steps_above_ceiling", "steps_over_ceiling")
 
 
 @dataclass
@@ -107,13 +107,16 @@ class GuardTotals:
     # engine context; non-strict mode): those steps were judged
     output_failures: int = 0
     steps_above_ceiling: int = 0  # consecutive steps above max_quarantine_share, for the circuit breaker
+    steps_over_ceiling: int = 0  # every step above max_quarantine_share in the run (the metric over_ceiling sums to it)
     rule_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     history: list[dict[str, float]] = field(default_factory=list)  # one compact row per step, for charts
     stopped: str | None = None  # why the circuit breaker stopped training, if it did
+    # monitor mode: the first breaker trip that quarantine mode (on_ceiling "stop"/"raise") would have stopped on
+    would_have_stopped: str | None = None
 
     def to_dict(self) -> dict:
         return {**{key: getattr(self, key) for key in _COUNTERS}, "rule_counts": dict(self.rule_counts),
-                "history": list(self.history), "stopped": self.stopped}
+                "history": list(self.history), "stopped": self.stopped, "would_have_stopped": self.would_have_stopped}
 
     @classmethod
     def from_dict(cls, state: dict) -> GuardTotals:
@@ -121,6 +124,7 @@ class GuardTotals:
         totals.rule_counts.update(state.get("rule_counts", {}))
         totals.history = list(state.get("history", []))
         totals.stopped = state.get("stopped")
+        totals.would_have_stopped = state.get("would_have_stopped")
         return totals
 
 
@@ -340,7 +344,10 @@ class RolloutGuard:
         if config.max_quarantine_share is None:
             return
         share = report.metrics["suspect_share"]
-        totals.steps_above_ceiling = totals.steps_above_ceiling + 1 if share > config.max_quarantine_share else 0
+        over = share > config.max_quarantine_share
+        report.metrics["over_ceiling"] = float(over)  # every such step, whatever the alerts' cooldown
+        totals.steps_over_ceiling += over
+        totals.steps_above_ceiling = totals.steps_above_ceiling + 1 if over else 0
         if totals.steps_above_ceiling < config.ceiling_steps:
             return
         rules = fired_rules({name: report.metrics[f"rule/{name}"] for name in RULES})
@@ -360,6 +367,9 @@ class RolloutGuard:
                                                 report.stop_training, throttle=False)
         else:
             if not config.quarantines:
+                if config.on_ceiling != "alert" and totals.would_have_stopped is None:
+                    totals.would_have_stopped = (f"quarantine mode (on_ceiling={config.on_ceiling!r}) would have "
+                                                 f"stopped training at step {report.step}: {reason}")
                 reason += "; monitor mode: training goes on"
             alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
                                                 f"rollout_guard: engine looks broken at step {report.step}", reason,
@@ -421,8 +431,12 @@ class RolloutGuard:
         if totals.labelled_steps:
             summary.update(injected=totals.injected, caught=totals.caught, missed=totals.injected - totals.caught,
                            false_alarms=totals.false_alarms)
+        if self.config.max_quarantine_share is not None:
+            summary["steps_over_ceiling"] = totals.steps_over_ceiling
         if totals.stopped:
             summary["stopped"] = totals.stopped
+        if totals.would_have_stopped:
+            summary["would_have_stopped"] = totals.would_have_stopped
         if self.checks is not None:
             summary["checks"] = self.checks
         return summary

@@ -314,3 +314,28 @@ def test_consecutive_failures_on_one_rank_raise_on_every_rank_at_the_same_step()
     group.run(run)
     assert group.calls == [2, 2]
     assert [entry[0] for entry in raised] == [2, 2]
+
+
+def test_every_step_over_the_ceiling_is_a_metric_whatever_the_alert_cooldown():
+    for mode in ("monitor", "quarantine"):
+        guard = RolloutGuard(GuardConfig(mode=mode, on_ceiling="alert", alert_cooldown_steps=100))
+        heavy, light = [0, 1, 2, 3, 4, 5], [0]
+        reports = [guard.inspect(batch(s, heavy if s % 2 else light), step=s) for s in range(1, 9)]
+        assert [r.metrics["over_ceiling"] for r in reports] == [1.0, 0.0] * 4, mode
+        assert sum(any(a.kind == "circuit_breaker" for a in r.alerts) for r in reports) == 1, "the alert is throttled"
+        assert guard.summary()["steps_over_ceiling"] == 4
+
+
+def test_monitor_mode_says_that_quarantine_mode_would_have_stopped_the_run():
+    guard = RolloutGuard(GuardConfig(mode="monitor"))
+    guard.inspect(batch(1, [0]), step=1)
+    for step in (2, 3):
+        assert guard.inspect(batch(step, [0, 1, 2, 3, 4, 5]), step=step).stop_training is None
+    summary = guard.summary()
+    assert "stopped" not in summary
+    assert summary["would_have_stopped"].startswith("quarantine mode (on_ceiling='stop') would have stopped training "
+                                                    "at step 2: 75% of the rollouts at step 2 were suspect")
+    restored = RolloutGuard(GuardConfig(mode="monitor"))
+    restored.load_state_dict(guard.state_dict())
+    assert restored.summary()["would_have_stopped"] == summary["would_have_stopped"]
+    assert "would_have_stopped" not in RolloutGuard(GuardConfig(mode="monitor", on_ceiling="alert")).summary()

@@ -122,6 +122,28 @@ def test_circuit_breaker_can_raise_after_writing_everything(tiny_model_dir, tmp_
     assert len(records) == summary["suspect"] > 4 and {r.step for r in records} == {1}
 
 
+def test_the_default_circuit_breaker_stop_ends_train_with_an_exception_said_once(tiny_model_dir, tmp_path, caplog):
+    """With the default on_ceiling="stop", the step that trips the breaker trains, training ends, and
+    trainer.train() raises CircuitBreakerTripped (a script's save_model after it does not run); the reason is in
+    the exception only, not repeated in the log."""
+    from rollout_guard import CircuitBreakerTripped, GuardConfig
+    from rollout_guard.integrations.hf_rollouts import TransformersRollouts
+    from rollout_guard.integrations.trl import attach_guard
+
+    trainer = make_trainer(tiny_model_dir, tmp_path / "trainer",
+                           rollouts=TransformersRollouts(stale_context_rate=0.9, seed=3), max_steps=4)
+    guarded = attach_guard(trainer, GuardConfig(output_dir=str(tmp_path / "guard")))
+    with caplog.at_level(logging.INFO, logger="rollout_guard"), pytest.raises(CircuitBreakerTripped) as raised:
+        trainer.train()
+    assert trainer.state.global_step == 1, "the step that tripped the breaker trained; no later step did"
+    message = str(raised.value)
+    assert message.startswith("rollout_guard stopped training: ") and "above max_quarantine_share=0.5" in message
+    assert "Training ended cleanly after step 1 of 4" in message
+    assert not [r.getMessage() for r in caplog.records if "above max_quarantine_share" in r.getMessage()]
+    summary = json.loads((Path(guarded.output_dir) / "summary.json").read_text())
+    assert summary["stopped"] in message and summary["steps_over_ceiling"] == 1
+
+
 class _RecordingSink:
     """Remembers what reached it; ``fail_on``: events that raise; ``gate``: on_step waits until it is set, then
     0.5 s more (a slow disk or tracker that the test controls)."""
