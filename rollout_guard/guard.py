@@ -85,8 +85,26 @@ class StepReport:
         return self.samples[:, COLUMN[name]]
 
 
+HISTORY_ROWS = 2048
+"""rows. :attr:`GuardTotals.history` holds at most this many (a chart's worth): when full, each two neighbouring rows
+become the worse of them and every later row covers twice the steps, so memory, each checkpoint's size and the
+per-step copy for the background writer stay flat over any number of steps."""
+
+
+def _worse(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+    """Of two history rows, the one with more suspect rollouts (ties: the larger max |Δ|), covering both rows'
+    steps (``span``)."""
+    def key(row: dict[str, float]) -> tuple[float, float]:
+        delta = row.get("max_abs_delta", math.nan)
+        return row.get("suspect", 0.0), delta if delta is not None and math.isfinite(delta) else -math.inf
+
+    worse = second if key(second) > key(first) else first
+    return {**worse, "span": first.get("span", 1) + second.get("span", 1)}
+
+
 _COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps",
-             "failures", "consecutive_failures", "output_failures", "steps_above_ceiling", "steps_over_ceiling")
+             "failures", "consecutive_failures", "output_failures", "steps_above_ceiling", "steps_over_ceiling",
+             "history_stride")
 
 
 @dataclass
@@ -109,7 +127,10 @@ class GuardTotals:
     steps_above_ceiling: int = 0  # consecutive steps above max_quarantine_share, for the circuit breaker
     steps_over_ceiling: int = 0  # every step above max_quarantine_share in the run (the metric over_ceiling sums to it)
     rule_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
-    history: list[dict[str, float]] = field(default_factory=list)  # one compact row per step, for charts
+    # compact rows for charts, at most HISTORY_ROWS: one per step until full, then each the worst step (most suspect,
+    # then largest max |Δ|) of ``span`` consecutive steps, at most ``history_stride`` (add_history)
+    history: list[dict[str, float]] = field(default_factory=list)
+    history_stride: int = 1  # steps per history row, doubled each time the history fills
     stopped: str | None = None  # why the circuit breaker stopped training, if it did
     # monitor mode: the first breaker trip that quarantine mode (on_ceiling "stop"/"raise") would have stopped on
     would_have_stopped: str | None = None
@@ -118,9 +139,24 @@ class GuardTotals:
         return {**{key: getattr(self, key) for key in _COUNTERS}, "rule_counts": dict(self.rule_counts),
                 "history": list(self.history), "stopped": self.stopped, "would_have_stopped": self.would_have_stopped}
 
+    def add_history(self, row: dict[str, float]) -> None:
+        """Append one step's row: merged into the last row while that covers fewer than ``history_stride`` steps,
+        and the whole history halved (neighbouring rows merged, the stride doubled) when it reaches
+        ``HISTORY_ROWS``. New row objects throughout, never an edit of one in the list: a copy of the list taken
+        earlier (:func:`rollout_guard.writer.guard_snapshot`) stays as it was."""
+        history = self.history
+        if history and history[-1].get("span", 1) < self.history_stride:
+            history[-1] = _worse(history[-1], row)
+        else:
+            history.append({**row, "span": 1})
+        if len(history) >= HISTORY_ROWS:
+            self.history = [_worse(history[i], history[i + 1]) if i + 1 < len(history) else history[i]
+                            for i in range(0, len(history), 2)]
+            self.history_stride *= 2
+
     @classmethod
     def from_dict(cls, state: dict) -> GuardTotals:
-        totals = cls(**{key: state.get(key, 0) for key in _COUNTERS})
+        totals = cls(**{key: state.get(key, 1 if key == "history_stride" else 0) for key in _COUNTERS})
         totals.rule_counts.update(state.get("rule_counts", {}))
         totals.history = list(state.get("history", []))
         totals.stopped = state.get("stopped")
@@ -390,7 +426,7 @@ class RolloutGuard:
             totals.injected += int(metrics["caught"] + metrics["missed"])
             totals.caught += int(metrics["caught"])
             totals.false_alarms += int(metrics["false_alarms"])
-        totals.history.append(
+        totals.add_history(
             {
                 "step": report.step,
                 "max_abs_delta": metrics["max_abs_delta"],

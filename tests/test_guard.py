@@ -339,3 +339,38 @@ def test_monitor_mode_says_that_quarantine_mode_would_have_stopped_the_run():
     restored.load_state_dict(guard.state_dict())
     assert restored.summary()["would_have_stopped"] == summary["would_have_stopped"]
     assert "would_have_stopped" not in RolloutGuard(GuardConfig(mode="monitor", on_ceiling="alert")).summary()
+
+
+def test_the_history_stays_bounded_over_a_long_run_and_keeps_its_worst_steps():
+    from rollout_guard.guard import HISTORY_ROWS, GuardTotals
+
+    totals = GuardTotals()
+    steps = 40 * HISTORY_ROWS
+    spikes = {777: 3.0, steps // 2: 2.0, steps - 5: 1.0}  # suspect rollouts at three steps, none elsewhere
+    lengths = []
+    for step in range(1, steps + 1):
+        totals.add_history({"step": step, "suspect": spikes.get(step, 0.0), "max_abs_delta": 1e-3})
+        lengths.append(len(totals.history))
+    assert max(lengths) < HISTORY_ROWS and min(lengths[HISTORY_ROWS:]) >= HISTORY_ROWS // 2
+    assert sum(row["span"] for row in totals.history) == steps, "every step is in exactly one row"
+    assert {row["step"]: row["suspect"] for row in totals.history if row["suspect"]} == spikes
+    steps_in_order = [row["step"] for row in totals.history]
+    assert steps_in_order == sorted(steps_in_order)
+    restored = GuardTotals.from_dict(totals.to_dict())
+    restored.add_history({"step": steps + 1, "suspect": 0.0, "max_abs_delta": 1e-3})
+    totals.add_history({"step": steps + 1, "suspect": 0.0, "max_abs_delta": 1e-3})
+    assert restored.history == totals.history and restored.history_stride == totals.history_stride > 1
+
+
+def test_a_snapshot_of_the_history_is_not_changed_by_later_steps():
+    from rollout_guard.guard import HISTORY_ROWS
+    from rollout_guard.writer import guard_snapshot
+
+    guard = RolloutGuard(GuardConfig())
+    guard.totals.history_stride = 4  # rows merge: the last row is replaced, never edited in place
+    guard.inspect(batch(0, []), step=1)
+    view = guard_snapshot(guard)
+    before = [dict(row) for row in view.totals.history]
+    guard.inspect(batch(1, [2]), step=2)
+    assert view.totals.history == before and guard.totals.history[-1]["span"] == 2
+    assert len(guard.totals.history) < HISTORY_ROWS
