@@ -67,6 +67,9 @@ class StepReport:
     # integration that collects it (the TRL adapter with vLLM) before the report goes to the sinks, which may run on
     # the background writer after the next step's context exists
     engine_context: Any = None
+    # the detector's state this step was judged against (name → tensor on the guard's device, taken before the
+    # step's update without a host sync), on steps with suspect rows: what ``rollout-guard replay`` judges with
+    detector_state: dict[str, torch.Tensor] | None = None
 
     @property
     def check_failed_on(self) -> list[int]:
@@ -279,10 +282,13 @@ class RolloutGuard:
         head = host[:, :2].tolist()  # per rank: status, check flag
         if any(status != STATUS_OK for status, _ in head):
             return self._failed_step(step, batch, host[:, :2], error, started)
+        reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
+        judged_with = None
+        if bool(reasons_host.any()):  # a device copy of the state before the update: no host sync
+            judged_with = {name: getattr(self.detector, name).clone() for name in self.detector.STATE}
         # on the device, from the gathered packets: the same sum on every rank, no host→device copy
         self.detector.update(gathered[:, layout.counts].sum(dim=0).view(NUM_REGIONS, NUM_BINS))
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
-        reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         suspect_host = reasons_host != 0
         if self.config.quarantines:  # from the device copy (inspect): no host→device transfer
             local_quarantined = local
@@ -300,6 +306,7 @@ class RolloutGuard:
             local_quarantined=local_quarantined,
             check_flags=[int(flag) for _, flag in head],
             threshold=self.detector.threshold,
+            detector_state=judged_with,
         )
         report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates].tolist()), host.shape[0] * batch,
                                       histogram.tolist(), self.config.quarantines)
