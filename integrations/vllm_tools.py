@@ -444,6 +444,7 @@ class ReplayResult:
     verdict_recorded: StepReport
     verdict_fresh_engine: StepReport | None
     pattern: Pattern
+    calibrated: bool = False  # judged against the run's detector state at the record's step (else the prior)
 
 
 def _as_tensor(values: Sequence[float | None]) -> torch.Tensor:
@@ -459,16 +460,34 @@ def replay_pattern(record: QuarantineRecord, trainer: Sequence[float],
     return classify_pattern(abs_delta(recorded, replayed_trainer), fresh)
 
 
+def judge_one(engine_logprobs: Sequence[float | None], trainer_logprobs: Sequence[float | None], step: int,
+              config: GuardConfig, state: dict | None = None) -> StepReport:
+    """One row judged as training judged its step: against ``state``, the run's detector state that step was judged
+    against (``rollout_guard.sinks.read_detector_states``), or, without it, the detector's prior. The row's own
+    tokens do not join the noise (one record shows no noise of its own)."""
+    guard = RolloutGuard(config)
+    if state is not None:
+        guard.detector.load_state_dict({name: torch.tensor(value, dtype=torch.float64)
+                                        for name, value in state.items()})
+    guard.detector.batch_noise = False
+    return guard.inspect(evidence_from_lists([list(engine_logprobs)], [list(trainer_logprobs)]), step=step)
+
+
 def replay(record: QuarantineRecord, model: str | None = None, dtype: str = "float32", with_vllm: bool = True,
-           config: GuardConfig | None = None, engine_model: str | None = None) -> ReplayResult:
+           config: GuardConfig | None = None, engine_model: str | None = None,
+           states: dict[int, dict] | None = None) -> ReplayResult:
     return replay_many([record], model=model, dtype=dtype, with_vllm=with_vllm, config=config,
-                       engine_model=engine_model)[0]
+                       engine_model=engine_model, states=states)[0]
 
 
 def replay_many(records: Sequence[QuarantineRecord], model: str | None = None, dtype: str = "float32",
                 with_vllm: bool = True,
-                config: GuardConfig | None = None, engine_model: str | None = None) -> list[ReplayResult]:
-    """Replay several records with one transformers model and one fresh engine (all records from one model)."""
+                config: GuardConfig | None = None, engine_model: str | None = None,
+                states: dict[int, dict] | None = None) -> list[ReplayResult]:
+    """Replay several records with one transformers model and one fresh engine (all records from one model).
+    ``states``: the run's detector states by step (``read_detector_states``); a record whose step has one is judged
+    against it, as training judged it (``ReplayResult.calibrated``), the others against the detector's prior."""
+    states = states or {}
     model = model or records[0].model
     engine_model = engine_model or model
     hf_model, _ = load_transformers(model, dtype)
@@ -491,16 +510,12 @@ def replay_many(records: Sequence[QuarantineRecord], model: str | None = None, d
         engines = list(engine.score(prompts, completions))
     results = []
 
-    def judged(engine_logprobs: list[float | None], trainer_logprobs: list[float], step: int) -> StepReport:
-        """One row against the healthy-noise prior: a single record shows no noise of its own."""
-        guard = RolloutGuard(config)
-        guard.detector.batch_noise = False
-        return guard.inspect(evidence_from_lists([engine_logprobs], [trainer_logprobs]), step=step)
-
     for record, trainer, engine_scores in zip(records, trainers, engines, strict=True):
         recorded_engine = record.engine_logprobs or [None] * len(trainer)
-        verdict_recorded = judged(recorded_engine, trainer, record.step)
-        verdict_fresh = judged(engine_scores, trainer, record.step) if engine_scores is not None else None
+        state = states.get(record.step)
+        verdict_recorded = judge_one(recorded_engine, trainer, record.step, config, state)
+        verdict_fresh = (judge_one(engine_scores, trainer, record.step, config, state) if engine_scores is not None
+                         else None)
         results.append(ReplayResult(record, trainer, engine_scores, verdict_recorded, verdict_fresh,
-                                    replay_pattern(record, trainer, engine_scores)))
+                                    replay_pattern(record, trainer, engine_scores), calibrated=state is not None))
     return results

@@ -15,7 +15,8 @@ from rollout_guard.config import GuardConfig
 
 @dataclass(frozen=True)
 class Alert:
-    kind: str  # "quarantine_rate" | "max_abs_delta" | "noise_growth" | "circuit_breaker" | "advantage_replica"
+    # "quarantine_rate" | "max_abs_delta" | "noise_growth" | "circuit_breaker" | "advantage_replica" | "guard_failure"
+    kind: str
     level: str  # "WARN" | "ERROR"
     step: int
     value: float

@@ -163,6 +163,35 @@ def audit(
     raise typer.Exit(0 if clean else 1)
 
 
+def replay_config(run_dir: Path):  # noqa: ANN201 - GuardConfig, imported lazily
+    """The detector's settings of the run whose guard folder is ``run_dir`` (its ``config.json``), the circuit
+    breaker off (one record is judged at a time); the defaults where the folder has no readable config."""
+    import json
+
+    from rollout_guard.config import GuardConfig
+
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        return GuardConfig(false_alarm_budget=saved["false_alarm_budget"], ceiling_delta=saved["ceiling_delta"],
+                           max_quarantine_share=None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return GuardConfig(max_quarantine_share=None)
+
+
+def calibration_lines(results: list, run_dir: Path) -> list[str]:
+    """What each replayed verdict was judged against: the run's detector state at the record's step (the verdict
+    training made, from the same logprobs), or the detector's prior where the run's folder has no state for it."""
+    uncalibrated = sorted({result.record.step for result in results if not result.calibrated})
+    lines = []
+    if len(uncalibrated) < len(results):
+        lines.append(f"verdicts judged against the run's detector state at each record's step "
+                     f"({run_dir / 'detector_states.jsonl'}), as training judged them")
+    if uncalibrated:
+        lines.append(f"NOT CALIBRATED: {run_dir} holds no detector state for step(s) {uncalibrated}; those verdicts "
+                     "are judged against the detector's prior, not the run's noise, and may differ from training's")
+    return lines
+
+
 @app.command()
 def replay(
     store: Path = typer.Argument(..., help="A quarantine store folder or file (…/rollout_guard/quarantine, "
@@ -186,6 +215,7 @@ def replay(
     from rich.table import Table
 
     from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, check_model, replay_many
+    from rollout_guard.sinks import read_detector_states
     from rollout_guard.store import read_records
 
     _quiet_vllm()
@@ -217,13 +247,20 @@ def replay(
         if not 0 <= index < len(records):
             raise _fail(f"--index {index} is outside the store's {len(records)} records (0 to {len(records) - 1})")
         chosen = [records[index]]
+    run_dir = store if store.is_dir() else store.parent  # the quarantine folder
+    run_dir = run_dir.parent if run_dir.name == "quarantine" else run_dir  # the guard's folder beside it
+    states = read_detector_states(run_dir)
+    config = replay_config(run_dir)
     try:
         for name in {model or r.model for r in chosen} | ({engine_model} if engine_model else set()):
             check_model(name)
-        results = replay_many(chosen, model=model, dtype=dtype, with_vllm=vllm, engine_model=engine_model)
+        results = replay_many(chosen, model=model, dtype=dtype, with_vllm=vllm, engine_model=engine_model,
+                              config=config, states=states)
     except AuditUsageError as error:
         raise _fail(str(error)) from error
     console = Console()
+    for line in calibration_lines(results, run_dir):
+        console.print(line, highlight=False, soft_wrap=True)
     if all_records:
         for result in results:
             record = result.record

@@ -116,20 +116,28 @@ class GuardConfig:
     """steps. Consecutive steps above ``max_quarantine_share`` before the circuit breaker trips. Default 1."""
 
     on_ceiling: str = "stop"
-    """``"stop"``: end training cleanly after the current step, with a message saying why (``trainer.train()``
-    returns normally: check ``summary.json["stopped"]``). ``"raise"``: raise ``CircuitBreakerTripped`` (a
-    ``GuardError``) from ``trainer.train()`` once the guard's records and summary are written, so a script or
-    pipeline cannot mistake the stop for success. ``"alert"``: send an error-level alert (at most once per
+    """``"stop"``: end training cleanly after the current step (its update done), then raise
+    ``CircuitBreakerTripped`` (a ``GuardError``) from ``trainer.train()``, saying why, once the guard's records and
+    summary are written, so that a script or pipeline cannot mistake the stop for success. ``"raise"``: raise
+    ``CircuitBreakerTripped`` at once, inside the step that tripped (its batch is not trained on), once the guard's
+    records and summary are written. ``"alert"``: send an error-level alert (at most once per
     ``alert_cooldown_steps``) and go on. In monitor mode the breaker always only alerts. Default ``"stop"``."""
 
     strict: bool = False
-    """``True``: any failure inside the guard raises and stops training. ``False``: a failure is logged and
-    counted (``guard_failures``), the step's batch passes through unguarded, and training goes on. Structural
+    """``True``: any failure inside the guard raises and stops training. ``False``: a failure is logged,
+    counted (``guard_failures``) and sent as an error-level ``guard_failure`` alert, the step's batch passes through
+    unguarded (metric ``guarded`` 0), and training goes on up to ``max_consecutive_failures``. Structural
     input errors on the first guarded step raise in both cases: they mean the guard is wired wrong. A failure
     beside the verdict (writing records, decoding, a sink) with several processes is raised on every process at
     the next step's judgement, carried in its gather (raised on one process only, it left the others waiting in
     the loss's collectives); after the last step, at the end of training on the failing process. Default
     False."""
+
+    max_consecutive_failures: int | None = 10
+    """steps. With ``strict=False``, this many steps in a row that the guard could not judge (each passed through
+    unguarded, each sent as an error-level ``guard_failure`` alert, throttled like the others, and marked
+    ``guarded`` 0 in the step's metrics) raise ``GuardError`` on every process: a guard that fails every step has
+    stopped guarding. ``None``: never raise for failures (each is still counted and charted). Default 10."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -168,6 +176,12 @@ class GuardConfig:
             raise GuardConfigError("on_ceiling", self.on_ceiling, f"use one of {ON_CEILING}")
         if not isinstance(self.strict, bool):
             raise GuardConfigError("strict", self.strict, "use True or False")
+        if self.max_consecutive_failures is not None and not (
+            isinstance(self.max_consecutive_failures, int) and not isinstance(self.max_consecutive_failures, bool)
+            and self.max_consecutive_failures >= 1
+        ):
+            raise GuardConfigError("max_consecutive_failures", self.max_consecutive_failures,
+                                   "use a whole number of steps ≥ 1, or None to never stop for guard failures")
         if not (_is_number(self.alert_jump) and math.isfinite(self.alert_jump) and self.alert_jump >= 1.0):
             raise GuardConfigError("alert_jump", self.alert_jump,
                                    "use a factor ≥ 1 (3.0 alerts at three times the baseline)")

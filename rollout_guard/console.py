@@ -1,6 +1,7 @@
 """What a person running a plain training script sees from the guard: alerts as they happen, a summary at the end.
 
-:class:`ConsoleSink` logs each alert when the guard raises it (``WARNING``; the circuit breaker at ``ERROR``) and,
+:class:`ConsoleSink` logs each alert when the guard raises it (``WARNING``; error-level ones at ``ERROR``, a stop by
+the circuit breaker by its title only: the ``CircuitBreakerTripped`` that ends training says why) and,
 when training ends, a short summary: rollouts judged, how many were quarantined, the rules that fired, the worst
 step, and where the evidence and the report are. It writes through the ``rollout_guard`` logger: when the
 application has configured logging, the lines go where it sends them (at ``INFO`` and above, unless the
@@ -43,12 +44,15 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
     """The end-of-training summary, one string per line (``directory``: where the guard's local files are)."""
     totals = guard.totals
     checks = [f"  checks: {guard.checks}"] if guard.checks is not None else []
-    if not totals.steps:
+    if not totals.steps and not totals.failures:
         return ["rollout_guard: no training step was guarded.", *checks]
     quarantines = guard.config.quarantines
     count = totals.quarantined if quarantines else totals.suspect
     verb = "quarantined (kept out of the loss)" if quarantines else "suspect (monitor mode: all kept in the loss)"
-    steps = f"{totals.steps} step" + ("s" if totals.steps != 1 else "")
+    every = totals.steps + totals.failures
+    steps = f"{every} step" + ("s" if every != 1 else "")
+    if totals.failures:
+        steps += f" ({totals.failures} UNGUARDED)"
     lines = [f"rollout_guard: {steps}, {totals.rollouts} rollouts judged; {count} {verb}, "
              f"{count / max(totals.rollouts, 1):.2%}."]
     lines.extend(checks)
@@ -65,8 +69,12 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
     if totals.output_failures:
         lines.append(f"  output failures: {totals.output_failures} (records, sinks or engine context on this process; "
                      "those steps were judged: see the warnings above)")
+    if totals.steps_over_ceiling:
+        lines.append(f"  steps over max_quarantine_share: {totals.steps_over_ceiling} (metric over_ceiling)")
     if totals.stopped:
-        lines.append(f"  {totals.stopped}")
+        lines.append("  STOPPED by the circuit breaker: summary.json 'stopped' says why")
+    if totals.would_have_stopped:
+        lines.append(f"  monitor mode: {totals.would_have_stopped}")
     if directory is not None:
         directory = Path(directory)
         lines.append(f"  evidence: {directory / 'quarantine'} (one record per suspect sample)")
@@ -115,6 +123,9 @@ class ConsoleSink:
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
         for alert in report.alerts:
             level = logging.ERROR if alert.level == "ERROR" else logging.WARNING
+            if alert.kind == "circuit_breaker" and report.stop_training:  # the stop's reason is the caller's to say
+                logger.log(level, "%s (circuit breaker; summary.json 'stopped' says why).", alert.title)
+                continue
             logger.log(level, "%s. %s", alert.title, alert.text)
 
     def on_end(self, guard: RolloutGuard) -> None:

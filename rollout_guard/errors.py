@@ -24,5 +24,6 @@ class GuardInputError(GuardError, ValueError):
 
 
 class CircuitBreakerTripped(GuardError):
-    """Raised from ``trainer.train()`` with ``GuardConfig(on_ceiling="raise")`` when too many rollouts of a step
-    were suspect (the engine is broken); the guard's records and summary are written first."""
+    """Raised from ``trainer.train()`` when too many rollouts of a step were suspect (the engine is broken), with
+    ``GuardConfig(on_ceiling="stop")`` (the default: after that step's update, at the end of training) or
+    ``"raise"`` (inside that step); the guard's records and summary are written first."""

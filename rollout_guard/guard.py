@@ -67,6 +67,9 @@ class StepReport:
     # integration that collects it (the TRL adapter with vLLM) before the report goes to the sinks, which may run on
     # the background writer after the next step's context exists
     engine_context: Any = None
+    # the detector's state this step was judged against (name → tensor on the guard's device, taken before the
+    # step's update without a host sync), on steps with suspect rows: what ``rollout-guard replay`` judges with
+    detector_state: dict[str, torch.Tensor] | None = None
 
     @property
     def check_failed_on(self) -> list[int]:
@@ -85,8 +88,26 @@ class StepReport:
         return self.samples[:, COLUMN[name]]
 
 
+HISTORY_ROWS = 2048
+"""rows. :attr:`GuardTotals.history` holds at most this many (a chart's worth): when full, each two neighbouring rows
+become the worse of them and every later row covers twice the steps, so memory, each checkpoint's size and the
+per-step copy for the background writer stay flat over any number of steps."""
+
+
+def _worse(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+    """Of two history rows, the one with more suspect rollouts (ties: the larger max |Δ|), covering both rows'
+    steps (``span``)."""
+    def key(row: dict[str, float]) -> tuple[float, float]:
+        delta = row.get("max_abs_delta", math.nan)
+        return row.get("suspect", 0.0), delta if delta is not None and math.isfinite(delta) else -math.inf
+
+    worse = second if key(second) > key(first) else first
+    return {**worse, "span": first.get("span", 1) + second.get("span", 1)}
+
+
 _COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps",
-             "failures", "output_failures", "steps_above_ceiling")
+             "failures", "consecutive_failures", "output_failures", "steps_above_ceiling", "steps_over_ceiling",
+             "history_stride")
 
 
 @dataclass
@@ -102,24 +123,47 @@ class GuardTotals:
     false_alarms: int = 0  # suspect but not injected (counted only when an injector labels the batch)
     labelled_steps: int = 0  # steps whose batch carried injector labels
     failures: int = 0  # steps the guard could not judge (non-strict mode): their batches passed through unguarded
+    consecutive_failures: int = 0  # failures since the last judged step (max_consecutive_failures)
     # failures, on this process, of what is written or collected beside the verdict (records, decoding, sinks, the
     # engine context; non-strict mode): those steps were judged
     output_failures: int = 0
     steps_above_ceiling: int = 0  # consecutive steps above max_quarantine_share, for the circuit breaker
+    steps_over_ceiling: int = 0  # every step above max_quarantine_share in the run (the metric over_ceiling sums to it)
     rule_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
-    history: list[dict[str, float]] = field(default_factory=list)  # one compact row per step, for charts
+    # compact rows for charts, at most HISTORY_ROWS: one per step until full, then each the worst step (most suspect,
+    # then largest max |Δ|) of ``span`` consecutive steps, at most ``history_stride`` (add_history)
+    history: list[dict[str, float]] = field(default_factory=list)
+    history_stride: int = 1  # steps per history row, doubled each time the history fills
     stopped: str | None = None  # why the circuit breaker stopped training, if it did
+    # monitor mode: the first breaker trip that quarantine mode (on_ceiling "stop"/"raise") would have stopped on
+    would_have_stopped: str | None = None
 
     def to_dict(self) -> dict:
         return {**{key: getattr(self, key) for key in _COUNTERS}, "rule_counts": dict(self.rule_counts),
-                "history": list(self.history), "stopped": self.stopped}
+                "history": list(self.history), "stopped": self.stopped, "would_have_stopped": self.would_have_stopped}
+
+    def add_history(self, row: dict[str, float]) -> None:
+        """Append one step's row: merged into the last row while that covers fewer than ``history_stride`` steps,
+        and the whole history halved (neighbouring rows merged, the stride doubled) when it reaches
+        ``HISTORY_ROWS``. New row objects throughout, never an edit of one in the list: a copy of the list taken
+        earlier (:func:`rollout_guard.writer.guard_snapshot`) stays as it was."""
+        history = self.history
+        if history and history[-1].get("span", 1) < self.history_stride:
+            history[-1] = _worse(history[-1], row)
+        else:
+            history.append({**row, "span": 1})
+        if len(history) >= HISTORY_ROWS:
+            self.history = [_worse(history[i], history[i + 1]) if i + 1 < len(history) else history[i]
+                            for i in range(0, len(history), 2)]
+            self.history_stride *= 2
 
     @classmethod
     def from_dict(cls, state: dict) -> GuardTotals:
-        totals = cls(**{key: state.get(key, 0) for key in _COUNTERS})
+        totals = cls(**{key: state.get(key, 1 if key == "history_stride" else 0) for key in _COUNTERS})
         totals.rule_counts.update(state.get("rule_counts", {}))
         totals.history = list(state.get("history", []))
         totals.stopped = state.get("stopped")
+        totals.would_have_stopped = state.get("would_have_stopped")
         return totals
 
 
@@ -238,10 +282,13 @@ class RolloutGuard:
         head = host[:, :2].tolist()  # per rank: status, check flag
         if any(status != STATUS_OK for status, _ in head):
             return self._failed_step(step, batch, host[:, :2], error, started)
+        reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
+        judged_with = None
+        if bool(reasons_host.any()):  # a device copy of the state before the update: no host sync
+            judged_with = {name: getattr(self.detector, name).clone() for name in self.detector.STATE}
         # on the device, from the gathered packets: the same sum on every rank, no host→device copy
         self.detector.update(gathered[:, layout.counts].sum(dim=0).view(NUM_REGIONS, NUM_BINS))
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
-        reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         suspect_host = reasons_host != 0
         if self.config.quarantines:  # from the device copy (inspect): no host→device transfer
             local_quarantined = local
@@ -259,9 +306,12 @@ class RolloutGuard:
             local_quarantined=local_quarantined,
             check_flags=[int(flag) for _, flag in head],
             threshold=self.detector.threshold,
+            detector_state=judged_with,
         )
         report.metrics = step_metrics(aggregate(report.samples.numpy(), reasons_host.numpy()), host.shape[0] * batch,
                                       histogram.tolist(), self.config.quarantines)
+        self.totals.consecutive_failures = 0
+        report.metrics["guarded"] = 1.0
         report.metrics["guard_failures"] = float(self.totals.failures)
         report.metrics.update(self._noise_metrics(host[0, layout.noise].tolist()))
         report.alerts = self.alerts.check(step, report.metrics)
@@ -296,10 +346,18 @@ class RolloutGuard:
             if error is not None:
                 raise error
             raise GuardError(f"rollout_guard failed {where} at step {step}; that process's log names the field")
-        self.totals.failures += 1
+        totals = self.totals
+        totals.failures += 1
+        totals.consecutive_failures += 1
         cause = error if error is not None else "that process's log names the cause"
+        limit = self.config.max_consecutive_failures
+        if limit is not None and totals.consecutive_failures >= limit:
+            raise GuardError(f"rollout_guard could not judge {totals.consecutive_failures} steps in a row (the last, "
+                             f"step {step}, {where}: {cause}); their batches passed through unguarded. Stopping "
+                             "rather than training unguarded: fix the cause, or raise "
+                             "GuardConfig.max_consecutive_failures (None: never stop for failures)") from error
         logger.warning("rollout_guard: could not judge step %s (%s: %s); the batch passes through unguarded. "
-                       "Failures so far: %s", step, where, cause, self.totals.failures)
+                       "Failures so far: %s", step, where, cause, totals.failures)
         world = max(len(statuses), 1)
         empty = torch.zeros(world * batch, dtype=torch.bool)
         report = StepReport(
@@ -312,8 +370,16 @@ class RolloutGuard:
             check_flags=[int(flag) for flag in head[:, 1].tolist()],
         )
         self.last_guard_seconds = time.perf_counter() - started
-        report.metrics = {"guard_failures": float(self.totals.failures), "suspect": 0.0, "quarantined": 0.0,
-                          "guard_seconds": self.last_guard_seconds}
+        report.metrics = {"guarded": 0.0, "guard_failures": float(totals.failures), "suspect": 0.0,
+                          "quarantined": 0.0, "guard_seconds": self.last_guard_seconds}
+        alert = self.alerts.error("guard_failure", step, float(totals.failures), 0.0,
+                                  f"rollout_guard could not judge step {step}",
+                                  f"The guard failed {where} at step {step} ({cause}); the batch passed through "
+                                  f"unguarded. Failures so far: "
+                                  f"{totals.failures}, {totals.consecutive_failures} in a row"
+                                  + (f" (training stops at {limit} in a row)." if limit is not None else "."))
+        if alert is not None:
+            report.alerts.append(alert)
         return report
 
     def _circuit_breaker(self, report: StepReport) -> None:
@@ -321,7 +387,10 @@ class RolloutGuard:
         if config.max_quarantine_share is None:
             return
         share = report.metrics["suspect_share"]
-        totals.steps_above_ceiling = totals.steps_above_ceiling + 1 if share > config.max_quarantine_share else 0
+        over = share > config.max_quarantine_share
+        report.metrics["over_ceiling"] = float(over)  # every such step, whatever the alerts' cooldown
+        totals.steps_over_ceiling += over
+        totals.steps_above_ceiling = totals.steps_above_ceiling + 1 if over else 0
         if totals.steps_above_ceiling < config.ceiling_steps:
             return
         rules = fired_rules({name: report.metrics[f"rule/{name}"] for name in RULES})
@@ -341,6 +410,9 @@ class RolloutGuard:
                                                 report.stop_training, throttle=False)
         else:
             if not config.quarantines:
+                if config.on_ceiling != "alert" and totals.would_have_stopped is None:
+                    totals.would_have_stopped = (f"quarantine mode (on_ceiling={config.on_ceiling!r}) would have "
+                                                 f"stopped training at step {report.step}: {reason}")
                 reason += "; monitor mode: training goes on"
             alert = self.alerts.circuit_breaker(report.step, share, config.max_quarantine_share,
                                                 f"rollout_guard: engine looks broken at step {report.step}", reason,
@@ -361,7 +433,7 @@ class RolloutGuard:
             totals.injected += int(metrics["caught"] + metrics["missed"])
             totals.caught += int(metrics["caught"])
             totals.false_alarms += int(metrics["false_alarms"])
-        totals.history.append(
+        totals.add_history(
             {
                 "step": report.step,
                 "max_abs_delta": metrics["max_abs_delta"],
@@ -394,7 +466,7 @@ class RolloutGuard:
     def summary(self) -> dict[str, float]:
         totals = self.totals
         summary = {
-            "steps": totals.steps, "rollouts": totals.rollouts, "suspect": totals.suspect,
+            "steps": totals.steps + totals.failures, "guarded_steps": totals.steps, "rollouts": totals.rollouts, "suspect": totals.suspect,
             "quarantined": totals.quarantined, "alerts": self.alerts.sent, "guard_failures": totals.failures,
             "output_failures": totals.output_failures,
             **{f"rule/{k}": v for k, v in totals.rule_counts.items()},
@@ -402,8 +474,12 @@ class RolloutGuard:
         if totals.labelled_steps:
             summary.update(injected=totals.injected, caught=totals.caught, missed=totals.injected - totals.caught,
                            false_alarms=totals.false_alarms)
+        if self.config.max_quarantine_share is not None:
+            summary["steps_over_ceiling"] = totals.steps_over_ceiling
         if totals.stopped:
             summary["stopped"] = totals.stopped
+        if totals.would_have_stopped:
+            summary["would_have_stopped"] = totals.would_have_stopped
         if self.checks is not None:
             summary["checks"] = self.checks
         return summary

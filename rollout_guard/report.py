@@ -94,9 +94,10 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
                       + (" …" if len(problems) > 5 else ""), stacklevel=2)
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     try:
-        stopped = json.loads((run_dir / "summary.json").read_text()).get("stopped")
+        saved_summary = json.loads((run_dir / "summary.json").read_text())
+        stopped, would_have_stopped = saved_summary.get("stopped"), saved_summary.get("would_have_stopped")
     except (OSError, ValueError, AttributeError):
-        stopped = None
+        stopped = would_have_stopped = None
     if stopped:
         warnings.warn(f"{run_dir}: TRAINING WAS STOPPED by the circuit breaker: {stopped}", stacklevel=2)
     figures = run_dir / "report"
@@ -161,6 +162,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         "rollouts": int(sum(row.get("samples") or 0 for row in metrics)),
         "suspect": int(sum(row.get("suspect") or 0 for row in metrics)),
         "quarantined": int(sum(row.get("quarantined") or 0 for row in metrics)),
+        "steps over max_quarantine_share": int(sum(row.get("over_ceiling") or 0 for row in metrics)),
         "alerts": len(alerts),
         "records in store": len(records),
         "records without tokens": sum(not record.full_evidence for record in records),
@@ -171,6 +173,9 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
     config_html = html.escape(json.dumps(config, indent=1))
     stopped_html = ('<p class="stopped"><b>TRAINING WAS STOPPED by the circuit breaker</b> (the run did not finish as '
                     f'planned): {html.escape(str(stopped))}</p>' if stopped else "")
+    if would_have_stopped:
+        stopped_html += ('<p class="stopped"><b>Monitor mode: the circuit breaker would have stopped this run</b>: '
+                         f'{html.escape(str(would_have_stopped))}</p>')
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rollout_guard report</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} img{{max-width:100%;display:block;margin:8px 0}}
 table{{border-collapse:collapse;font-size:13px}} td,th{{border:1px solid #ccc;padding:3px 6px;\

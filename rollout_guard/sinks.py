@@ -22,6 +22,25 @@ from rollout_guard.store import QuarantineStore, drop_records_after
 logger = logging.getLogger("rollout_guard")
 
 
+DETECTOR_STATES_FILE = "detector_states.jsonl"
+
+
+def read_detector_states(directory: str | Path) -> dict[int, dict]:
+    """The detector states a guard folder holds (``LocalFilesSink``), by step (a resumed run's last line of a step
+    wins); unreadable lines are skipped. Empty when the folder has none."""
+    path = Path(directory) / DETECTOR_STATES_FILE
+    states: dict[int, dict] = {}
+    if not path.is_file():
+        return states
+    for line in path.read_bytes().splitlines():
+        try:
+            row = json.loads(line)
+            states[int(row["step"])] = row["detector"]
+        except (ValueError, TypeError, KeyError):
+            continue
+    return states
+
+
 class Sink(Protocol):
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         """Suspect samples of the current step, from all processes (called before ``on_step``)."""
@@ -48,7 +67,8 @@ def _step_after(line: bytes, step: int) -> bool:
 
 class LocalFilesSink:
     """Writes ``metrics.jsonl`` (one line per step, with the step's |Δ| histogram), ``alerts.jsonl``, the
-    quarantine store, ``spikes.png`` and ``summary.json``."""
+    quarantine store, ``detector_states.jsonl`` (per step with suspect rollouts, the detector's state it was judged
+    against: ``rollout-guard replay`` judges with it), ``spikes.png`` and ``summary.json``."""
 
     def __init__(self, directory: str | Path, config: GuardConfig) -> None:
         self.directory = Path(directory)
@@ -57,6 +77,7 @@ class LocalFilesSink:
         self.store = QuarantineStore(self.directory / "quarantine")
         self.metrics_path = self.directory / "metrics.jsonl"
         self.alerts_path = self.directory / "alerts.jsonl"
+        self.states_path = self.directory / DETECTOR_STATES_FILE
         self.chart_path = self.directory / "spikes.png"
         self._no_charts = False
         (self.directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
@@ -65,6 +86,10 @@ class LocalFilesSink:
         row = {"step": report.step, **json_safe(report.metrics), "delta_histogram": report.delta_histogram.tolist()}
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
+        if report.detector_state is not None:
+            state = {name: value.cpu().tolist() for name, value in report.detector_state.items()}
+            with self.states_path.open("a") as handle:
+                handle.write(json.dumps({"step": report.step, "detector": state}) + "\n")
         if report.alerts:
             with self.alerts_path.open("a") as handle:
                 for alert in report.alerts:
@@ -78,7 +103,7 @@ class LocalFilesSink:
     def on_resume(self, step: int, guard: RolloutGuard) -> None:
         """Training resumed from the checkpoint of ``step``: drop what this folder holds about later steps (they
         run again), so that every step has one metrics line and one set of records."""
-        for path in (self.metrics_path, self.alerts_path):
+        for path in (self.metrics_path, self.alerts_path, self.states_path):
             if path.is_file():
                 lines = path.read_bytes().splitlines(keepends=True)
                 kept = [line for line in lines if not _step_after(line, step)]

@@ -103,7 +103,7 @@ def guard_snapshot(guard: RolloutGuard) -> RolloutGuard:
     """A view of ``guard`` for sinks that run on the writer thread: a shallow copy whose totals (counters, rule
     counts, the history list) are copied as they stand now, so that a chart or summary drawn later shows this
     step, while the training thread goes on updating the guard. Costs a list copy of the history (one pointer
-    per step)."""
+    per row, at most ``HISTORY_ROWS``: flat over the run)."""
     view = copy.copy(guard)
     totals = copy.copy(guard.totals)
     totals.history = list(guard.totals.history)

@@ -36,6 +36,9 @@ from rollout_guard.errors import GuardConfigError
         ("evidence_samples_per_step", 2.0),
         ("evidence_samples_per_step", True),
         ("evidence_samples_per_step", None),
+        ("max_consecutive_failures", 0),
+        ("max_consecutive_failures", 2.0),
+        ("max_consecutive_failures", True),
     ],
 )
 def test_invalid_values_name_the_field_and_the_fix(field, value):

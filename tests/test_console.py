@@ -106,3 +106,32 @@ def test_the_trl_adapter_adds_the_console_by_default(tmp_path):
     sinks = default_sinks("none", GuardConfig(), tmp_path)
     assert [type(sink).__name__ for sink in sinks] == ["LocalFilesSink", "ConsoleSink"]
     assert sinks[1].directory == tmp_path
+
+
+def test_a_step_passed_through_unguarded_is_logged_as_an_error_and_counted_in_the_summary(caplog):
+    guard = RolloutGuard(GuardConfig())
+    sink = ConsoleSink()
+    with caplog.at_level(logging.INFO, logger="rollout_guard"):
+        sink.on_step(guard.inspect(evidence(0), step=1), guard)
+        sink.on_step(guard.inspect(RuntimeError("no trainer logprobs"), step=2, batch_size=8), guard)
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "could not judge step 2" in errors[0] and "no trainer logprobs" in errors[0]
+    assert summary_lines(guard)[0].startswith("rollout_guard: 2 steps (1 UNGUARDED), 8 rollouts judged")
+
+
+def test_a_stop_by_the_circuit_breaker_is_said_once_and_steps_over_the_ceiling_are_counted(caplog):
+    """The stop's reason is the exception's to say (the TRL adapter raises ``CircuitBreakerTripped`` with it): the
+    console logs the stop alert's title and the summary points to summary.json, neither repeats the reason."""
+    guard = RolloutGuard(GuardConfig(max_quarantine_share=0.5))
+    sink = ConsoleSink()
+    with caplog.at_level(logging.INFO, logger="rollout_guard"):
+        report = guard.inspect(evidence(6), step=1)
+        sink.on_step(report, guard)
+        sink.on_end(guard)
+    assert report.stop_training and "above max_quarantine_share=0.5" in report.stop_training
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("above max_quarantine_share=0.5" in line for line in said), said
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == ["rollout_guard stopped training at step 1 (circuit breaker; summary.json 'stopped' says why)."]
+    assert "  steps over max_quarantine_share: 1 (metric over_ceiling)" in said[-1].splitlines()
+    assert "  STOPPED by the circuit breaker: summary.json 'stopped' says why" in said[-1].splitlines()

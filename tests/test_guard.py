@@ -6,6 +6,7 @@ import torch
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.errors import GuardError
 from rollout_guard.guard import RolloutGuard
 
 
@@ -268,3 +269,108 @@ def test_a_noise_that_grows_over_the_run_raises_a_growth_alert():
         kinds["growing"] += [a.kind for a in report.alerts]
     assert "noise_growth" not in kinds["steady"]
     assert "noise_growth" in kinds["growing"] and report.metrics["noise/growth_r3"] > 2.0
+
+
+def test_a_step_the_guard_cannot_judge_is_an_error_alert_a_guarded_zero_and_a_counted_step():
+    guard = RolloutGuard(GuardConfig(alert_cooldown_steps=1))
+    assert guard.inspect(batch(0, []), step=1).metrics["guarded"] == 1.0
+    report = guard.inspect(RuntimeError("the evidence could not be built"), step=2, batch_size=8)
+    assert report.skipped and report.metrics["guarded"] == 0.0
+    [alert] = report.alerts
+    assert (alert.kind, alert.level, alert.step) == ("guard_failure", "ERROR", 2)
+    assert "the evidence could not be built" in alert.text and "passed through unguarded" in alert.text
+    summary = guard.summary()
+    assert summary["steps"] == 2 and summary["guarded_steps"] == 1 and summary["guard_failures"] == 1
+
+
+def test_consecutive_failures_up_to_the_limit_raise_and_a_judged_step_resets_the_count():
+    guard = RolloutGuard(GuardConfig(max_consecutive_failures=3))
+    failing = RuntimeError("the trainer logprobs were missing")
+    for step, evidence in enumerate([failing, failing, batch(0, []), failing, failing], start=1):
+        guard.inspect(evidence, step=step, batch_size=8)
+    with pytest.raises(GuardError, match="could not judge 3 steps in a row .*the trainer logprobs were missing"):
+        guard.inspect(failing, step=6, batch_size=8)
+    endless = RolloutGuard(GuardConfig(max_consecutive_failures=None))
+    for step in range(1, 30):
+        assert endless.inspect(failing, step=step, batch_size=8).skipped
+    assert endless.summary()["guard_failures"] == 29
+
+
+def test_consecutive_failures_on_one_rank_raise_on_every_rank_at_the_same_step():
+    group = ThreadGroup(2)
+    guards = [RolloutGuard(GuardConfig(max_consecutive_failures=2), gather=group.gather_for(rank), process_index=rank)
+              for rank in range(2)]
+    raised: list[object] = [None, None]
+
+    def run(rank: int) -> None:
+        for step in (1, 2):
+            evidence = batch(step, []) if rank == 0 else RuntimeError("rank 1 cannot build its packet")
+            try:
+                guards[rank].inspect(evidence, step=step, batch_size=8)
+            except GuardError as error:
+                raised[rank] = (step, str(error))
+                return
+
+    group.run(run)
+    assert group.calls == [2, 2]
+    assert [entry[0] for entry in raised] == [2, 2]
+
+
+def test_every_step_over_the_ceiling_is_a_metric_whatever_the_alert_cooldown():
+    for mode in ("monitor", "quarantine"):
+        guard = RolloutGuard(GuardConfig(mode=mode, on_ceiling="alert", alert_cooldown_steps=100))
+        heavy, light = [0, 1, 2, 3, 4, 5], [0]
+        reports = [guard.inspect(batch(s, heavy if s % 2 else light), step=s) for s in range(1, 9)]
+        assert [r.metrics["over_ceiling"] for r in reports] == [1.0, 0.0] * 4, mode
+        assert sum(any(a.kind == "circuit_breaker" for a in r.alerts) for r in reports) == 1, "the alert is throttled"
+        assert guard.summary()["steps_over_ceiling"] == 4
+
+
+def test_monitor_mode_says_that_quarantine_mode_would_have_stopped_the_run():
+    guard = RolloutGuard(GuardConfig(mode="monitor"))
+    guard.inspect(batch(1, [0]), step=1)
+    for step in (2, 3):
+        assert guard.inspect(batch(step, [0, 1, 2, 3, 4, 5]), step=step).stop_training is None
+    summary = guard.summary()
+    assert "stopped" not in summary
+    assert summary["would_have_stopped"].startswith("quarantine mode (on_ceiling='stop') would have stopped training "
+                                                    "at step 2: 75% of the rollouts at step 2 were suspect")
+    restored = RolloutGuard(GuardConfig(mode="monitor"))
+    restored.load_state_dict(guard.state_dict())
+    assert restored.summary()["would_have_stopped"] == summary["would_have_stopped"]
+    assert "would_have_stopped" not in RolloutGuard(GuardConfig(mode="monitor", on_ceiling="alert")).summary()
+
+
+def test_the_history_stays_bounded_over_a_long_run_and_keeps_its_worst_steps():
+    from rollout_guard.guard import HISTORY_ROWS, GuardTotals
+
+    totals = GuardTotals()
+    steps = 40 * HISTORY_ROWS
+    spikes = {777: 3.0, steps // 2: 2.0, steps - 5: 1.0}  # suspect rollouts at three steps, none elsewhere
+    lengths = []
+    for step in range(1, steps + 1):
+        totals.add_history({"step": step, "suspect": spikes.get(step, 0.0), "max_abs_delta": 1e-3})
+        lengths.append(len(totals.history))
+    assert max(lengths) < HISTORY_ROWS and min(lengths[HISTORY_ROWS:]) >= HISTORY_ROWS // 2
+    assert sum(row["span"] for row in totals.history) == steps, "every step is in exactly one row"
+    assert {row["step"]: row["suspect"] for row in totals.history if row["suspect"]} == spikes
+    steps_in_order = [row["step"] for row in totals.history]
+    assert steps_in_order == sorted(steps_in_order)
+    restored = GuardTotals.from_dict(totals.to_dict())
+    restored.add_history({"step": steps + 1, "suspect": 0.0, "max_abs_delta": 1e-3})
+    totals.add_history({"step": steps + 1, "suspect": 0.0, "max_abs_delta": 1e-3})
+    assert restored.history == totals.history and restored.history_stride == totals.history_stride > 1
+
+
+def test_a_snapshot_of_the_history_is_not_changed_by_later_steps():
+    from rollout_guard.guard import HISTORY_ROWS
+    from rollout_guard.writer import guard_snapshot
+
+    guard = RolloutGuard(GuardConfig())
+    guard.totals.history_stride = 4  # rows merge: the last row is replaced, never edited in place
+    guard.inspect(batch(0, []), step=1)
+    view = guard_snapshot(guard)
+    before = [dict(row) for row in view.totals.history]
+    guard.inspect(batch(1, [2]), step=2)
+    assert view.totals.history == before and guard.totals.history[-1]["span"] == 2
+    assert len(guard.totals.history) < HISTORY_ROWS

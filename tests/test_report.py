@@ -129,3 +129,25 @@ def test_replay_refuses_a_store_of_statistics_only_records(tmp_path):
     result = CliRunner().invoke(app, ["replay", str(tmp_path / "store")])
     assert result.exit_code == 2, result.output
     assert "2 records hold statistics only" in result.output and "evidence_samples_per_step" in result.output
+
+
+def test_a_monitor_run_over_the_ceiling_says_what_quarantine_mode_would_have_done(tmp_path):
+    """Monitor mode removes nothing: the table is not titled "Quarantined", the steps over the ceiling are counted
+    (all of them, not the alerts the cooldown let through), and a banner says quarantine mode would have stopped."""
+    config = GuardConfig(mode="monitor", max_quarantine_share=0.5)
+    guard, sink = RolloutGuard(config), LocalFilesSink(tmp_path, config)
+    for step in (1, 2, 3):
+        report = guard.inspect(RolloutEvidence(mask=torch.ones(4, 3, dtype=torch.long),
+                                               engine_logprobs=torch.full((4, 3), -0.1),
+                                               trainer_logprobs=torch.full((4, 3), -30.0)), step=step)
+        assert report.stop_training is None
+        record = _statistics_only(step, 0)
+        record.action = "monitored"
+        sink.on_records([record], guard)
+        sink.on_step(report, guard)
+    sink.on_end(guard)
+    page = build_report(tmp_path).read_text()
+    assert "Quarantined rollouts" not in page and "Suspect rollouts (3; 0 quarantined" in page
+    assert "<th>steps over max_quarantine_share</th><td>3</td>" in page
+    assert "the circuit breaker would have stopped this run</b>: quarantine mode (on_ceiling=&#x27;stop&#x27;) would " \
+           "have stopped training at step 1" in page

@@ -46,8 +46,8 @@ OUTPUT_CHECK = 4  # strict mode: writing this process's outputs (records, decodi
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
 TRL_METRIC_PREFIX = "rollout_guard_window_mean/"
-TRL_METRIC_KEYS = ("max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect", "quarantined",
-                   "guard_seconds",
+TRL_METRIC_KEYS = ("guarded", "max_abs_delta", "mean_abs_delta", "p99_abs_delta", "engine_max_logprob", "suspect",
+                   "quarantined", "guard_seconds",
                    "overhead_seconds")
 
 
@@ -377,9 +377,9 @@ class TrlGuard:
         self._say_once("replica-monitor", f"rollout_guard: {message}; monitor mode: training goes on")
 
     def _stop(self, report: StepReport) -> None:
-        """The circuit breaker tripped (quarantine mode): stop after this step, or raise once everything is written."""
+        """The circuit breaker tripped (quarantine mode): stop after this step (``"stop"``: :meth:`close` raises at the
+        end of training), or raise now, once everything is written (``"raise"``)."""
         self.stop_reason = report.stop_training
-        logger.error(report.stop_training)
         if self.config.on_ceiling == "raise":
             self.close()  # records and metrics are written already; this writes the summary and the chart
             raise CircuitBreakerTripped(report.stop_training)
@@ -607,11 +607,9 @@ class TrlGuard:
                              f"{error})") from error
         if self.stop_reason is not None and self.config.on_ceiling == "stop":
             state = self.trainer.state
-            logger.error("rollout_guard: training was STOPPED by the circuit breaker at step %s of %s: %s "
-                         "trainer.train() "
-                         "returned normally, but the model did not train as planned; summary.json says so under "
-                         "'stopped'. GuardConfig(on_ceiling='raise') makes this an exception.",
-                         state.global_step, state.max_steps, self.stop_reason)
+            raise CircuitBreakerTripped(f"{self.stop_reason} Training ended cleanly after step {state.global_step} of "
+                                        f"{state.max_steps}, not as planned; the guard's records and summary are "
+                                        "written.")
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:

@@ -215,7 +215,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollout_guard import GuardConfig
+    from rollout_guard import CircuitBreakerTripped, GuardConfig
     from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, copy_reward, random_letters
     from rollout_guard.integrations.trl import attach_guard, inject_stale_context
     from rollout_guard.integrations.vllm_cpu import enable_trl_colocate_on_vllm_cpu
@@ -290,8 +290,13 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
 
         trainer._generate_and_score_completions = recording
     started = time.perf_counter()
+    tripped = None  # the breaker scenario's CircuitBreakerTripped, raised from trainer.train()
     try:
         trainer.train(resume_from_checkpoint=resume_from)
+    except CircuitBreakerTripped as error:
+        if name != "breaker":
+            raise
+        tripped = str(error)
     finally:
         if server is not None:
             server.terminate()
@@ -331,7 +336,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
             "guard_state": guarded.guard.state_dict(),
             "reward_weights": trainer.reward_weights.clone(), "scale_rewards": trainer.scale_rewards,
             "num_generations": trainer.num_generations,
-            "global_step": trainer.state.global_step,
+            "global_step": trainer.state.global_step, "tripped": tripped,
             "process_index": trainer.accelerator.process_index, "num_processes": trainer.accelerator.num_processes,
         },
         out / ("result.pt" if trainer.accelerator.num_processes == 1 else f"result-rank{trainer.accelerator.process_index}.pt"),

@@ -122,6 +122,28 @@ def test_circuit_breaker_can_raise_after_writing_everything(tiny_model_dir, tmp_
     assert len(records) == summary["suspect"] > 4 and {r.step for r in records} == {1}
 
 
+def test_the_default_circuit_breaker_stop_ends_train_with_an_exception_said_once(tiny_model_dir, tmp_path, caplog):
+    """With the default on_ceiling="stop", the step that trips the breaker trains, training ends, and
+    trainer.train() raises CircuitBreakerTripped (a script's save_model after it does not run); the reason is in
+    the exception only, not repeated in the log."""
+    from rollout_guard import CircuitBreakerTripped, GuardConfig
+    from rollout_guard.integrations.hf_rollouts import TransformersRollouts
+    from rollout_guard.integrations.trl import attach_guard
+
+    trainer = make_trainer(tiny_model_dir, tmp_path / "trainer",
+                           rollouts=TransformersRollouts(stale_context_rate=0.9, seed=3), max_steps=4)
+    guarded = attach_guard(trainer, GuardConfig(output_dir=str(tmp_path / "guard")))
+    with caplog.at_level(logging.INFO, logger="rollout_guard"), pytest.raises(CircuitBreakerTripped) as raised:
+        trainer.train()
+    assert trainer.state.global_step == 1, "the step that tripped the breaker trained; no later step did"
+    message = str(raised.value)
+    assert message.startswith("rollout_guard stopped training: ") and "above max_quarantine_share=0.5" in message
+    assert "Training ended cleanly after step 1 of 4" in message
+    assert not [r.getMessage() for r in caplog.records if "above max_quarantine_share" in r.getMessage()]
+    summary = json.loads((Path(guarded.output_dir) / "summary.json").read_text())
+    assert summary["stopped"] in message and summary["steps_over_ceiling"] == 1
+
+
 class _RecordingSink:
     """Remembers what reached it; ``fail_on``: events that raise; ``gate``: on_step waits until it is set, then
     0.5 s more (a slow disk or tracker that the test controls)."""
@@ -263,3 +285,81 @@ def test_a_strict_output_failure_on_the_main_process_stops_every_process_togethe
     assert ranks[0]["step"] == ranks[1]["step"], "both processes stopped at the same step"
     assert ranks[0]["cause"] == "OSError" and "disk full" in ranks[0]["message"]
     assert ranks[1]["cause"] is None and "disk full" not in ranks[1]["message"]
+
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+EXTREMES = (1e5, -1e5, float("nan"), float("inf"), float("-inf"))
+
+
+def loss_row_keys() -> set[str]:
+    """Every batch key TRL's GRPO loss reads (``_compute_loss``'s ``inputs[...]`` and ``inputs.get(...)``), from
+    the installed TRL's source, less token ids, masks and multimodal inputs: the per-row floats."""
+    import inspect
+    import re
+
+    from trl import GRPOTrainer
+
+    read = set(re.findall(r"inputs(?:\[|\.get\()\"(\w+)\"", inspect.getsource(GRPOTrainer._compute_loss)))
+    assert {"advantages", "old_per_token_logps", "ref_per_token_logps"} <= read, read
+    not_floats = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "num_items_in_batch",
+                  "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"}
+    return read - not_floats
+
+
+def test_a_quarantined_row_adds_nothing_to_any_loss_or_gradient_whatever_its_values(tiny_model_dir, tmp_path):
+    """A real TRL batch (beta > 0; vLLM's importance-sampling correction and the off-policy mask switched on for the
+    loss, so that it reads every per-row float key) with one row quarantined: writing ±1e5, NaN or ±inf into every
+    per-row float key of that row before the quarantine action leaves every loss type's loss and gradient exactly
+    those of the same batch with that row's values ordinary (and finite)."""
+    from rollout_guard import GuardConfig
+    from rollout_guard.integrations.trl import attach_guard
+    from rollout_guard.integrations.trl.batch import NEUTRAL_FILL, quarantine_batch
+
+    keys = loss_row_keys()
+    assert keys <= set(NEUTRAL_FILL) | {"advantages"}, f"a per-row float the loss reads has no neutral fill: {keys}"
+    trainer = make_trainer(tiny_model_dir, tmp_path / "trainer", beta=0.04, off_policy_mask_threshold=0.5,
+                           num_iterations=2)  # TRL then computes old logprobs
+    guarded = attach_guard(trainer, GuardConfig(mode="monitor", output_dir=str(tmp_path / "guard")), keep_steps=True)
+    trainer.train()
+    step = guarded.steps[0]
+    raw, rewards = dict(step.before), step.rewards_per_func
+    rows, width = raw["completion_mask"].shape
+    generator = torch.Generator().manual_seed(0)
+    raw["sampling_per_token_logps"] = raw["old_per_token_logps"] - 0.01 * torch.rand(rows, width, generator=generator)
+    raw["importance_sampling_ratio"] = 1 + 0.1 * torch.rand(rows, width, generator=generator)
+    assert keys <= set(raw), keys - set(raw)
+    quarantined_row = 1
+    report = step.report
+    report.local_quarantined = torch.zeros(rows, dtype=torch.bool)
+    report.local_quarantined[quarantined_row] = True
+    report.quarantined = report.local_quarantined.clone()
+
+    def with_row(value: float) -> dict:
+        batch = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in raw.items()}
+        for key in keys:
+            batch[key][quarantined_row] = value
+        return quarantine_batch(batch, report, rewards, guarded.settings)
+
+    def loss_and_gradient(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+    saved = (trainer.loss_type, trainer.importance_sampling_level, trainer.use_vllm,
+             trainer.vllm_importance_sampling_correction)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True  # the loss reads the IS ratio
+    try:
+        for loss_type in LOSS_TYPES:
+            trainer.loss_type = loss_type
+            trainer.importance_sampling_level = "sequence" if loss_type == "luspo" else "token"
+            ordinary_loss, ordinary_gradient = loss_and_gradient(with_row(-0.5))
+            assert torch.isfinite(ordinary_loss) and torch.isfinite(ordinary_gradient).all(), loss_type
+            for value in EXTREMES:
+                loss, gradient = loss_and_gradient(with_row(value))
+                assert torch.equal(loss, ordinary_loss), (loss_type, value, loss, ordinary_loss)
+                assert torch.equal(gradient, ordinary_gradient), (loss_type, value)
+    finally:
+        (trainer.loss_type, trainer.importance_sampling_level, trainer.use_vllm,
+         trainer.vllm_importance_sampling_correction) = saved

@@ -418,12 +418,15 @@ def test_server_mode_quarantines_exactly_the_injected_samples(tmp_path_factory, 
         assert record.engine["settings"]["block_size"] is not None  # from vllm:cache_config_info
 
 
-def test_circuit_breaker_stops_training_cleanly_with_the_reason(tmp_path_factory, tiny_model_dir):
+def test_circuit_breaker_stops_training_cleanly_and_train_raises_with_the_reason(tmp_path_factory, tiny_model_dir):
     result, log = run_scenario("breaker", tmp_path_factory, tiny_model_dir)
     assert result["global_step"] == 1, "training must stop after the first step whose share is above the ceiling"
     assert len(result["reports"]) == 1 and result["reports"][0]["metrics"]["suspect_share"] > 0.5
-    assert "rollout_guard stopped training" in log and "max_quarantine_share=0.5" in log
-    assert "training was STOPPED by the circuit breaker at step 1 of 4" in log  # the last word, at the end of training
+    assert result["reports"][0]["metrics"]["over_ceiling"] == 1.0
+    tripped = result["tripped"]  # CircuitBreakerTripped from trainer.train(): the reason, said there once
+    assert tripped.startswith("rollout_guard stopped training") and "max_quarantine_share=0.5" in tripped
+    assert "Training ended cleanly after step 1 of 4" in tripped
+    assert "max_quarantine_share=0.5 for" not in log, "the log does not repeat the exception's reason"
     summary = json.loads((Path(result["guard_dir"]) / "summary.json").read_text())
     assert summary["stopped"].startswith("rollout_guard stopped training")
     alerts = [json.loads(line) for line in (Path(result["guard_dir"]) / "alerts.jsonl").read_text().splitlines()]
