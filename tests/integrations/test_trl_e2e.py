@@ -206,8 +206,9 @@ def test_monitor_mode_reports_but_changes_nothing(tmp_path_factory, tiny_model_d
     assert all(r["metrics"]["suspect_share"] > 0.5 for r in result["reports"][:1])
     alerts = [json.loads(line) for line in (Path(result["guard_dir"]) / "alerts.jsonl").read_text().splitlines()]
     assert {a["kind"] for a in alerts if a["level"] == "ERROR"} == {"circuit_breaker", "advantage_replica"}
-    assert "monitor mode: training goes on" in log and "stopped training" not in log
-    assert "stopped" not in json.loads((Path(result["guard_dir"]) / "summary.json").read_text())
+    summary = json.loads((Path(result["guard_dir"]) / "summary.json").read_text())
+    assert "stopped" not in summary and "would have stopped training at step 1" in summary["would_have_stopped"]
+    assert "monitor mode: quarantine mode (on_ceiling='stop') would have stopped training at step 1" in log
     assert sum(int(i.sum()) for i in result["injected"]) >= 3
     for raw, guarded, injected, report in zip(result["raw"], result["guarded"], result["injected"], result["reports"], strict=True):
         assert torch.equal(report["suspect"], injected)
