@@ -308,7 +308,7 @@ class RolloutGuard:
             threshold=self.detector.threshold,
             detector_state=judged_with,
         )
-        report.metrics = step_metrics(aggregate(report.samples.numpy(), reasons_host.numpy()), host.shape[0] * batch,
+        report.metrics = step_metrics(aggregate(report.samples, reasons_host), host.shape[0] * batch,
                                       histogram.tolist(), self.config.quarantines)
         self.totals.consecutive_failures = 0
         report.metrics["guarded"] = 1.0

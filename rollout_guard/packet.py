@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from rollout_guard.detector import RULE_BIT, RULES
@@ -88,49 +87,49 @@ def empty_packet(batch: int, status: float, device: torch.device) -> torch.Tenso
     return packet
 
 
-def aggregate(samples: np.ndarray, reasons: np.ndarray) -> dict[str, float]:
-    """The step's aggregates over every process's rollouts, on the host (a few dozen array operations).
+def aggregate(samples: torch.Tensor, reasons: torch.Tensor) -> dict[str, float]:
+    """The step's aggregates over every process's rollouts, on the host (a few dozen small tensor operations and one
+    ``tolist``).
 
     Args:
-        samples: (N, len(SAMPLE_COLUMNS)) per-rollout statistics (NaN: no token to stand on).
-        reasons: (N,) verdict bitmask.
+        samples: (N, len(SAMPLE_COLUMNS)) float64 per-rollout statistics (NaN: no token to stand on).
+        reasons: (N,) int verdict bitmask.
     Returns:
         column sums, maxima over rollouts (NaN without any), ``kept_*`` maxima over the rollouts the verdict keeps,
         token-weighted means as ``*_num``/``*_den``, and the injected/labelled/suspect/caught and rule counts.
 
-    >>> samples = np.full((2, len(SAMPLE_COLUMNS)), np.nan)
-    >>> samples[:, COLUMN["max_abs_delta"]] = [0.5, 9.0]
-    >>> a = aggregate(samples, np.array([0, 4]))
+    >>> samples = torch.full((2, len(SAMPLE_COLUMNS)), float("nan"), dtype=torch.float64)
+    >>> samples[:, COLUMN["max_abs_delta"]] = torch.tensor([0.5, 9.0])
+    >>> a = aggregate(samples, torch.tensor([0, 4]))
     >>> a["max_abs_delta"], a["kept_max_abs_delta"], a["suspect"]
     (9.0, 0.5, 1.0)
     """
-    column = {name: samples[:, index] for name, index in COLUMN.items()}
+    table = samples.double()
+    column = {name: table[:, index] for name, index in COLUMN.items()}
     suspect = reasons != 0
-
-    def top(values: np.ndarray) -> float:
-        best = np.fmax.reduce(values, initial=-math.inf)  # NaN skipped
-        return float(best) if best != -math.inf else math.nan
-
-    totals = samples[:, [COLUMN[name] for name in _SUMS]].sum(axis=0)
-    result = {name: float(total) for name, total in zip(_SUMS, totals, strict=True)}
-    result.update({name: top(column[name]) for name in _MAXIMA})
-    result["max_score"] = top(column["score"])
-    result["kept_max_abs_delta"] = top(column["max_abs_delta"][~suspect])
-    result["kept_max_score"] = top(column["score"][~suspect])
-    column["engine_tokens"] = column["tokens"] - column["nonfinite_engine_tokens"]
-    column["trainer_tokens"] = column["tokens"] - column["nonfinite_trainer_tokens"]
-    for name, weight in _MEANS:
-        keep = ~np.isnan(column[name]) & (column[weight] > 0)
-        result[f"{name}_num"] = float((column[name][keep] * column[weight][keep]).sum())
-        result[f"{name}_den"] = float(column[weight][keep].sum())
-    labelled = ~np.isnan(column["injected"])
+    nan = torch.full_like(column["score"], math.nan)
+    maxima = torch.stack([column["max_abs_delta"], column["engine_max_logprob"], column["trainer_max_logprob"],
+                          column["score"], torch.where(suspect, nan, column["max_abs_delta"]),
+                          torch.where(suspect, nan, column["score"])], dim=1)
+    top = maxima.nan_to_num(nan=-math.inf).amax(dim=0) if table.shape[0] else torch.full((6,), -math.inf)
+    tokens = column["tokens"]
+    values = torch.stack([column[name] for name, _ in _MEANS], dim=1)
+    weights = torch.stack([column["compared_tokens"], column["compared_tokens"],
+                           tokens - column["nonfinite_engine_tokens"], tokens - column["nonfinite_trainer_tokens"]], 1)
+    keep = ~torch.isnan(values) & (weights > 0)
+    labelled = ~torch.isnan(column["injected"])
     injected = labelled & (column["injected"] == 1)
-    result["injected"] = float(np.where(labelled, column["injected"], 0.0).sum())
-    result["labelled"] = float(labelled.sum())
-    result["suspect"] = float(suspect.sum())
-    result["caught"] = float((injected & suspect).sum())
-    for name in RULES:
-        result[f"rule/{name}"] = float(((reasons & RULE_BIT[name]) != 0).sum())
+    bits = torch.tensor([RULE_BIT[name] for name in RULES], dtype=reasons.dtype)
+    counts = torch.cat([(reasons.unsqueeze(1) & bits) != 0, torch.stack([injected, labelled, suspect, injected & suspect], 1)], 1)
+    flat = torch.cat([table[:, [COLUMN[name] for name in _SUMS]].sum(dim=0), top,
+                      torch.where(keep, values * weights, 0.0).sum(dim=0), torch.where(keep, weights, 0.0).sum(dim=0),
+                      counts.sum(dim=0).double()]).tolist()
+    names = [*_SUMS, *_MAXIMA, "max_score", "kept_max_abs_delta", "kept_max_score",
+             *(f"{name}_num" for name, _ in _MEANS), *(f"{name}_den" for name, _ in _MEANS),
+             *(f"rule/{name}" for name in RULES), "injected", "labelled", "suspect", "caught"]
+    result = dict(zip(names, flat, strict=True))
+    for name in (*_MAXIMA, "max_score", "kept_max_abs_delta", "kept_max_score"):
+        result[name] = result[name] if result[name] != -math.inf else math.nan
     return result
 
 

@@ -62,7 +62,7 @@ def test_aggregates_match_the_table(labelled, quarantines):
     samples, reasons = random_table(40, seed=3, labelled=labelled)
     histogram = torch.zeros(NUM_DELTA_BINS, dtype=torch.int64)
     histogram[30] = 7
-    metrics = step_metrics(aggregate(samples.numpy(), reasons.numpy()), 40, histogram, quarantines)
+    metrics = step_metrics(aggregate(samples, reasons), 40, histogram, quarantines)
     expected = step_aggregates(samples, histogram)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, rel=1e-12, nan_ok=True), key
@@ -82,7 +82,7 @@ def test_aggregates_match_the_table(labelled, quarantines):
 
 
 def test_an_empty_table_has_no_maxima_and_zero_sums():
-    empty = aggregate(torch.zeros(0, len(SAMPLE_COLUMNS), dtype=torch.float64).numpy(), torch.zeros(0, dtype=torch.int32).numpy())
+    empty = aggregate(torch.zeros(0, len(SAMPLE_COLUMNS), dtype=torch.float64), torch.zeros(0, dtype=torch.int32))
     assert math.isnan(empty["max_abs_delta"]) and math.isnan(empty["kept_max_score"])
     assert empty["tokens"] == empty["suspect"] == empty["mean_abs_delta_den"] == 0.0
 
