@@ -187,7 +187,8 @@ class RolloutGuard:
         self.device = torch.device(device)
         self.totals = GuardTotals()
         self.alerts = AlertMonitor(self.config)
-        self.detector = Detector(self.config.false_alarm_budget, self.config.ceiling_delta, self.device)
+        self.detector = Detector(self.config.false_alarm_budget, self.config.ceiling_delta, self.device,
+                                 tolerance=self.config.tolerance_delta)
         self.sampling: tuple | None = None  # the sampling settings the detector's noise was learned under
         self.noise_resets = 0
         self.last_guard_seconds = 0.0
