@@ -173,7 +173,7 @@ def replay_config(run_dir: Path):  # noqa: ANN201 - GuardConfig, imported lazily
     try:
         saved = json.loads((run_dir / "config.json").read_text())
         return GuardConfig(false_alarm_budget=saved["false_alarm_budget"], ceiling_delta=saved["ceiling_delta"],
-                           max_quarantine_share=None)
+                           tolerance_delta=saved.get("tolerance_delta"), max_quarantine_share=None)
     except (OSError, ValueError, KeyError, TypeError):
         return GuardConfig(max_quarantine_share=None)
 

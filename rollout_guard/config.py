@@ -44,6 +44,15 @@ class GuardConfig:
     noise (rule ``ceiling``), from the first step; healthy 7B runs reach ≈ 18 nats on tokens neither side finds
     likely (``docs/detector.md``). ``None``: off. Default 25.0."""
 
+    tolerance_delta: float | None = None
+    """nats. Zero-tolerance mode, for an engine and a trainer that compute bitwise-identical logprobs (the same
+    kernels, dtype and reduction order on both sides): a rollout with a token whose |engine − trainer| logprob
+    exceeds this is suspect (rule ``tolerance``), from the first step, whatever the run's noise; there any
+    disagreement beyond float rounding is a bug. 0.0 flags any difference at all. Compare on one basis: with a
+    top-k or min-p engine, ``compare_on_engine_support`` recomputes the trainer's side (``trainer − log Z``),
+    which is then no longer bitwise the engine's. ``None``: off (the stack is not bitwise identical; the score and
+    the ceiling judge it). Default None."""
+
     compare_on_engine_support: bool = True
     """TRL adapter, when the engine samples with top-k (with or without top-p and min-p) or with min-p alone, and no
     penalty, logit bias or guided decoding: judge the trainer's logprob renormalised over the engine's kept support,
@@ -149,6 +158,11 @@ class GuardConfig:
                                                    and math.isfinite(self.ceiling_delta)):
             raise GuardConfigError("ceiling_delta", self.ceiling_delta,
                                    "use a positive finite number of nats, or None to turn the ceiling off")
+        if self.tolerance_delta is not None and not (_is_number(self.tolerance_delta) and self.tolerance_delta >= 0
+                                                     and math.isfinite(self.tolerance_delta)):
+            raise GuardConfigError("tolerance_delta", self.tolerance_delta,
+                                   "use a finite number of nats ≥ 0 (0.0: any difference), or None for no zero "
+                                   "tolerance")
         if not isinstance(self.compare_on_engine_support, bool):
             raise GuardConfigError("compare_on_engine_support", self.compare_on_engine_support, "use True or False")
         if not isinstance(self.compute_trainer_logprobs, bool):

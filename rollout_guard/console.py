@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from rollout_guard.guard import RolloutGuard, StepReport
+from rollout_guard.outcomes import outcome_lines
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.verdict import fired_rules
 
@@ -61,6 +62,7 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
     if worst is not None and worst.get("suspect", 0):
         lines.append(f"  worst step: {int(worst['step'])} ({int(worst['suspect'])} suspect, "
                      f"max |Δ| {worst['max_abs_delta']:.3g} nats)")
+    lines.extend(outcome_lines(totals.outcomes))
     if totals.labelled_steps:
         lines.append(f"  injected {totals.injected}: caught {totals.caught}, missed {totals.injected - totals.caught}, "
                      f"false alarms {totals.false_alarms}")

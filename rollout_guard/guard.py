@@ -28,6 +28,7 @@ from rollout_guard.detector.noise import NUM_BINS
 from rollout_guard.detector.score import NUM_REGIONS
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.outcomes import outcome_sums
 from rollout_guard.packet import (PacketLayout, aggregate, empty_packet, packet_dtype,
                                   step_metrics)
 from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, summarise
@@ -137,10 +138,19 @@ class GuardTotals:
     stopped: str | None = None  # why the circuit breaker stopped training, if it did
     # monitor mode: the first breaker trip that quarantine mode (on_ceiling "stop"/"raise") would have stopped on
     would_have_stopped: str | None = None
+    # the run's sums of the steps' outcome counts (rollout_guard.outcomes.outcome_sums): the trainer's own
+    # importance-sampling correction next to the verdict, the rewards of suspect and other rows
+    outcomes: dict[str, float] = field(default_factory=dict)
+
+    def add_outcomes(self, metrics: dict[str, float]) -> None:
+        """Add one step's outcome counts (:func:`rollout_guard.outcomes.outcome_sums` of its metrics)."""
+        for key, value in outcome_sums(metrics).items():
+            self.outcomes[key] = self.outcomes.get(key, 0.0) + value
 
     def to_dict(self) -> dict:
         return {**{key: getattr(self, key) for key in _COUNTERS}, "rule_counts": dict(self.rule_counts),
-                "history": list(self.history), "stopped": self.stopped, "would_have_stopped": self.would_have_stopped}
+                "history": list(self.history), "stopped": self.stopped, "would_have_stopped": self.would_have_stopped,
+                "outcomes": dict(self.outcomes)}
 
     def add_history(self, row: dict[str, float]) -> None:
         """Append one step's row: merged into the last row while that covers fewer than ``history_stride`` steps,
@@ -164,6 +174,7 @@ class GuardTotals:
         totals.history = list(state.get("history", []))
         totals.stopped = state.get("stopped")
         totals.would_have_stopped = state.get("would_have_stopped")
+        totals.outcomes = dict(state.get("outcomes", {}))
         return totals
 
 
@@ -187,7 +198,8 @@ class RolloutGuard:
         self.device = torch.device(device)
         self.totals = GuardTotals()
         self.alerts = AlertMonitor(self.config)
-        self.detector = Detector(self.config.false_alarm_budget, self.config.ceiling_delta, self.device)
+        self.detector = Detector(self.config.false_alarm_budget, self.config.ceiling_delta, self.device,
+                                 tolerance=self.config.tolerance_delta)
         self.sampling: tuple | None = None  # the sampling settings the detector's noise was learned under
         self.noise_resets = 0
         self.last_guard_seconds = 0.0

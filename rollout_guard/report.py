@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rollout_guard.charts import delta_heatmap, engine_chart, engine_samples_chart, spike_chart, token_chart
 from rollout_guard.engine_view import SAMPLES_FILE, engine_history, engine_summary, read_jsonl, sample_rows
+from rollout_guard.outcomes import outcome_lines, outcome_sums
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.statistics import DELTA_BIN_EDGES
 from rollout_guard.store import read_records
@@ -80,6 +81,33 @@ def _engine_sections(run_dir: Path, metrics: list[dict], figures: Path) -> list[
     return sections
 
 
+OUTCOME_COLUMNS = ("trl_is/corrected_rows", "trl_is/corrected_token_share", "trl_is/both", "trl_is/only_trl",
+                   "trl_is/only_guard", "reward/suspect_mean", "reward/not_suspect_mean",
+                   "reward/suspect_above_group_median")
+"""The per-step outcome metrics (:mod:`rollout_guard.outcomes`) the report tables, where a run has them."""
+
+
+def _outcome_sections(metrics: list[dict]) -> list[str]:
+    """The trainer's own importance-sampling correction next to the verdict, and the rewards of the suspect rows
+    against the others: the run's totals in words and a table per step (steps with suspect or corrected rows)."""
+    sums: dict[str, float] = {}
+    for row in metrics:
+        for key, value in outcome_sums({k: _nan(v) for k, v in row.items() if not isinstance(v, list)}).items():
+            sums[key] = sums.get(key, 0.0) + value
+    lines = outcome_lines(sums)
+    if not lines:
+        return []
+    columns = [name for name in OUTCOME_COLUMNS if any(name in row for row in metrics)]
+    shown = [row for row in metrics if row.get("suspect") or row.get("trl_is/corrected_rows")]
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(format_value(cell))}</td>" for cell in
+                                    (row["step"], row.get("suspect"), *(_nan(row.get(name)) for name in columns)))
+                   + "</tr>" for row in shown)
+    header = "".join(f"<th>{html.escape(name)}</th>" for name in ("step", "suspect", *columns))
+    items = "".join(f"<li>{html.escape(line.strip())}</li>" for line in lines)
+    return [f"<h2>TRL's own correction and the rewards of suspect rollouts</h2><ul>{items}</ul>"
+            f"<table><tr>{header}</tr>{body}</table>"]
+
+
 def build_report(run_dir: str | Path, output: str | Path | None = None, top: int = 10) -> Path:
     """Write ``report.html`` (and its PNGs under ``report/``) for a guard output folder; returns the HTML path."""
     run_dir = resolve_run_dir(run_dir)
@@ -117,6 +145,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
                                     figures / "histogram.png")
             sections.append(f"<h2>Token |Δ| histogram per step</h2>{_img(heatmap, 'histogram heatmap')}")
     sections.extend(_engine_sections(run_dir, metrics, figures))
+    sections.extend(_outcome_sections(metrics))
     if problems:
         items = "".join(f"<li>{html.escape(problem)}</li>" for problem in problems)
         sections.append(f"<h2>Unreadable lines skipped ({len(problems)})</h2><ul>{items}</ul>")

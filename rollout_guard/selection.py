@@ -13,13 +13,13 @@ from rollout_guard.verdict import RULES
 
 def severity_rank(reasons: torch.Tensor) -> torch.Tensor:
     """Index in :data:`rollout_guard.verdict.RULES` of the most severe rule fired per sample (the lowest set bit
-    of the bitmask; RULES lists non-finite values, then the absolute ceiling, then the score), and
+    of the bitmask; RULES lists non-finite values, then the absolute ceiling, then the score, then the zero tolerance), and
     ``len(RULES)`` where none fired.
 
     ``reasons``: (N,) int32 bitmask over RULES. Returns (N,) int64.
 
     >>> severity_rank(torch.tensor([0b100, 0b110, 0b1, 0], dtype=torch.int32)).tolist()
-    [2, 1, 0, 4]
+    [2, 1, 0, 5]
     """
     reasons = reasons.to(torch.int64)
     lowest = reasons & -reasons  # the lowest set bit, 0 where none

@@ -19,6 +19,8 @@ RULE_TEXT = {
     "ceiling": "a token whose |engine − trainer| exceeds the absolute ceiling (ceiling_delta)",
     "score": "the row's disagreements are far likelier if the engine is off than under this run's healthy noise "
              "(score over its threshold)",
+    "tolerance": "a token whose |engine − trainer| exceeds the zero tolerance of a bitwise-identical stack "
+                 "(tolerance_delta)",
 }
 """What each rule means, for legends in reports and charts."""
 

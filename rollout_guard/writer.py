@@ -108,5 +108,6 @@ def guard_snapshot(guard: RolloutGuard) -> RolloutGuard:
     totals = copy.copy(guard.totals)
     totals.history = list(guard.totals.history)
     totals.rule_counts = dict(guard.totals.rule_counts)
+    totals.outcomes = dict(guard.totals.outcomes)
     view.totals = totals
     return view

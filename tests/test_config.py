@@ -23,6 +23,11 @@ from rollout_guard.errors import GuardConfigError
         ("ceiling_delta", 0),
         ("ceiling_delta", float("inf")),
         ("ceiling_delta", True),
+        ("tolerance_delta", -1e-9),
+        ("tolerance_delta", float("nan")),
+        ("tolerance_delta", float("inf")),
+        ("tolerance_delta", False),
+        ("tolerance_delta", "0"),
         ("chart_every_steps", 0),
         ("max_quarantine_share", True),
         ("alert_jump", True),
@@ -65,7 +70,8 @@ def test_every_field_is_documented_with_a_unit_and_default():
 def test_few_fields_and_few_of_them_tune_detection():
     names = [field.name for field in dataclasses.fields(GuardConfig)]
     assert len(names) <= 24
-    detection = {"false_alarm_budget", "ceiling_delta", "compare_on_engine_support", "compute_trainer_logprobs"}
+    detection = {"false_alarm_budget", "ceiling_delta", "tolerance_delta", "compare_on_engine_support",
+                 "compute_trainer_logprobs"}
     assert detection <= set(names) and len(detection) <= 6
 
 
@@ -75,3 +81,4 @@ def test_borderline_values_are_accepted():
     GuardConfig(output_dir=Path("somewhere"), ceiling_delta=1e-9, max_quarantine_share=1, alert_jump=1)
     GuardConfig(compute_trainer_logprobs=False)
     GuardConfig(evidence_samples_per_step=0)  # statistics only
+    GuardConfig(tolerance_delta=0.0)  # zero tolerance: any difference

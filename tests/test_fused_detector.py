@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rollout_guard.detector import Detector
+from rollout_guard.detector import RULE_BIT, Detector
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.statistics import COLUMN, summarise
 
@@ -40,23 +40,25 @@ def _corrupt(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) ->
 
 
 CASES = {
-    # name: (rows, tokens, seed, offset of the healthy centre (nats), warm steps before)
+    # name: (rows, tokens, seed, offset of the healthy centre (nats), warm steps before[, zero tolerance (nats)])
     "corrupted_after_warm_up": (12, 700, 0, 0.0, 3),
     "corrupted_fresh": (12, 513, 1, 0.0, 0),
     "offset_centre": (10, 300, 2, 1.3, 2),
     "single_block": (9, 250, 3, 0.0, 1),
+    "zero_tolerance": (12, 300, 4, 0.0, 1, 2.0),
 }
 
 
 def _case(name: str) -> None:
     from rollout_guard.detector import fused
 
-    rows, length, seed, offset, warm = CASES[name]
-    reference = Detector()
+    rows, length, seed, offset, warm, *tolerance = CASES[name]
+    tolerance = tolerance[0] if tolerance else None
+    reference = Detector(tolerance=tolerance)
     for step in range(warm):
         engine, trainer, mask = _batch(rows, length, 100 + step, offset)
         reference.update(reference.judge(engine, trainer, mask).kept_counts)
-    candidate = Detector()
+    candidate = Detector(tolerance=tolerance)
     candidate.load_state_dict(reference.state_dict())
     engine, trainer, mask = _batch(rows, length, seed, offset)
     injected = _corrupt(engine, trainer, mask)
@@ -79,6 +81,10 @@ def _case(name: str) -> None:
     assert fused.ROW_COLUMNS[COLUMN["score"]] == "score"
     suspect = (expected.reasons != 0).tolist()
     assert suspect[:9] == [False] + [True] * 6 + [False, True] and not any(suspect[9:]), suspect  # row 7 reads none
+    if tolerance is not None:  # the tolerance bit on exactly the rows with a read token beyond it
+        read = mask.bool() & torch.isfinite(engine) & torch.isfinite(trainer)
+        beyond = (((engine - trainer).abs() > tolerance) & read).any(-1)
+        assert ((got.reasons & RULE_BIT["tolerance"]) != 0).tolist() == beyond.tolist() and beyond[[1, 3, 6, 8]].all()
 
 
 def test_the_fused_step_equals_the_torch_reference_in_the_interpreter():

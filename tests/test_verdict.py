@@ -60,6 +60,7 @@ def test_several_reasons_on_one_rollout_are_all_named_and_counted():
     mask = torch.ones(engine.shape, dtype=torch.bool)
     report = RolloutGuard().inspect(RolloutEvidence(mask, engine, trainer), step=0)
     assert rule_names(int(report.reasons[0])) == ["nonfinite_engine", "ceiling", "score"]
-    assert rule_counts(report.reasons) == {"nonfinite_engine": 1, "nonfinite_trainer": 0, "ceiling": 2, "score": 2}
+    assert rule_counts(report.reasons) == {"nonfinite_engine": 1, "nonfinite_trainer": 0, "ceiling": 2, "score": 2,
+                                           "tolerance": 0}
     assert sorted(RULE_BIT.values()) == [1 << i for i in range(len(RULES))]
     assert set(RULE_TEXT) == set(RULES)

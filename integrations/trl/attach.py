@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import contextlib
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from rollout_guard.console import ConsoleSink
 from rollout_guard.errors import CircuitBreakerTripped, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
+from rollout_guard.outcomes import is_correction_metrics, is_correction_rows, reward_metrics
 from rollout_guard.integrations.trl import checkpoint as checkpoint_state
 from rollout_guard.integrations.trl.batch import (
     GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs,
@@ -334,6 +336,7 @@ class TrlGuard:
             self._stop_comparing_on_support(report)
         guarded = batch
         if not report.skipped:
+            self._outcome_metrics(batch, report, rewards)
             if report.flagged_on(REPLICA_CHECK):
                 self._replica_mismatch(report)  # raises on every process in quarantine mode
             if report.any_quarantined:
@@ -358,6 +361,35 @@ class TrlGuard:
         if report.stop_training:
             self._stop(report)
         return guarded
+
+    def _outcome_metrics(self, batch: dict[str, Any], report: StepReport, rewards: torch.Tensor | None) -> None:
+        """Add the step's outcome metrics (:mod:`rollout_guard.outcomes`) to the report and the run's totals: the
+        rewards of the suspect rows against the others, and, when TRL's importance-sampling correction is on, what it
+        zeroes or clips next to the verdict, computed from TRL's batch with TRL's arithmetic. Every process takes
+        part in the same steps (with several, one gather of (B, 2) per step, also from a process whose batch lacks
+        the keys: it sends NaN)."""
+        trainer = self.trainer
+        if trainer.use_vllm and getattr(trainer, "vllm_importance_sampling_correction", False):
+            rows = torch.full((self.local_rows(), 2), math.nan, dtype=torch.float64, device=self.guard.device)
+            try:
+                rows = is_correction_rows(
+                    require(batch, "old_per_token_logps"), require(batch, "sampling_per_token_logps"),
+                    loss_mask_of(batch), trainer.vllm_importance_sampling_mode,
+                    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max,
+                ).to(rows.device)
+            except Exception as error:  # noqa: BLE001 - still join the gather below
+                self._say_once("is-correction", f"rollout_guard: TRL's importance-sampling correction metrics are "
+                                                f"off ({type(error).__name__}: {error})")
+            if trainer.accelerator.num_processes > 1:
+                rows = trainer.accelerator.gather(rows.to(trainer.accelerator.device))
+            if not bool(rows.isnan().any()):
+                report.metrics.update(is_correction_metrics(rows, report.suspect))
+        group = self.settings.group_size
+        if (rewards is not None and rewards.dim() == 2 and rewards.shape[0] == report.suspect.numel()
+                and rewards.shape[0] % group == 0):
+            total = (rewards * self.settings.reward_weights.to(rewards).unsqueeze(0)).nansum(dim=1)  # TRL's reward
+            report.metrics.update(reward_metrics(total, group, report.suspect))
+        self.guard.totals.add_outcomes(report.metrics)
 
     def _local_slice(self) -> slice:
         rows = self.local_rows()

@@ -17,9 +17,10 @@ from rollout_guard.detector import fused
 from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, tail_rarity
 from rollout_guard.detector.score import NUM_REGIONS, region_of, row_scores
 
-RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score")
+RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score", "tolerance")
 """Why a row is suspect, one bit each (:data:`RULE_BIT`): a NaN/±inf logprob on either side; one token whose
-|engine − trainer| exceeds the absolute ceiling; the row's score over the threshold."""
+|engine − trainer| exceeds the absolute ceiling; the row's score over the threshold; one token whose
+|engine − trainer| exceeds the zero-tolerance bound (a stack whose engine and trainer are bitwise identical)."""
 RULE_BIT = {name: 1 << index for index, name in enumerate(RULES)}
 EARLY_TOKENS = 10_000.0
 """tokens: a region's own noise is recorded as its early level once it has read this many kept tokens."""
@@ -50,6 +51,8 @@ class Detector:
     Args:
         false_alarm_budget: the share of healthy rows the score may flag, α; the threshold is ``ln(1/α)``.
         ceiling: nats: a token with |engine − trainer| above it flags its row whatever the noise (``None``: off).
+        tolerance: nats: a token with |engine − trainer| above it flags its row under rule ``tolerance``, for an
+            engine and trainer that compute bitwise-identical logprobs (``None``: off; 0.0: any difference).
         device: where the state lives (the logprobs' device).
         batch_noise: whether a batch's own tokens join the noise it is judged against (a run broken from its first
             step is judged against its own noise); ``False`` judges against the run's state alone (the prior for a
@@ -70,12 +73,14 @@ class Detector:
     """name → shape of each state tensor (float64, zeros after :meth:`reset`)."""
 
     def __init__(self, false_alarm_budget: float = 1e-3, ceiling: float | None = 25.0,
-                 device: torch.device | str = "cpu", batch_noise: bool = True) -> None:
+                 device: torch.device | str = "cpu", batch_noise: bool = True,
+                 tolerance: float | None = None) -> None:
         if not 0 < false_alarm_budget < 1:
             raise ValueError(f"false_alarm_budget={false_alarm_budget}: pass a share in (0, 1), e.g. 1e-3")
         self.false_alarm_budget = false_alarm_budget
         self.threshold = math.log(1.0 / false_alarm_budget)
         self.ceiling = ceiling
+        self.tolerance = tolerance
         self.batch_noise = batch_noise
         self.device = torch.device(device)
         self.reset()
@@ -147,8 +152,16 @@ class Detector:
                    | (scored.score > self.threshold).int() * RULE_BIT["score"])
         if self.ceiling is not None:
             reasons |= ((delta.abs() > self.ceiling) & read).any(-1).int() * RULE_BIT["ceiling"]
+        reasons |= self._beyond_tolerance(delta, read)
         kept = histogram(delta, region, read & (reasons == 0).unsqueeze(-1))
         return Judgement(scored.score, scored.onset, scored.excess, reasons, kept, noise, self.grown())
+
+    def _beyond_tolerance(self, delta: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        """(B,) int32: the ``tolerance`` bit where a read token's |engine − trainer| (nats) exceeds the tolerance;
+        0 everywhere when it is off."""
+        if self.tolerance is None:
+            return torch.zeros(delta.shape[0], dtype=torch.int32, device=delta.device)
+        return ((delta.abs() > self.tolerance) & read).any(-1).int() * RULE_BIT["tolerance"]
 
     def _graphed(self, name: str, fn, *examples: torch.Tensor) -> fused.Graphed:
         if name not in self._graphs:
@@ -165,6 +178,11 @@ class Detector:
         tables = self._graphed("tables", fused.noise_tables, *args)(*args)
         summary = tables.noise.clone()  # the graph's outputs are overwritten by its next replay
         rows = fused.judge_rows(engine, trainer, mask, injected, tables, self.threshold, self.ceiling)
+        if self.tolerance is not None:
+            # the kernel sets the other rules' bits; the tolerance bit is one elementwise comparison, applied here in
+            # torch, before the kept rows' histogram is taken, so that a flagged row teaches the noise nothing
+            read = mask.bool() & torch.isfinite(engine) & torch.isfinite(trainer)
+            rows = rows._replace(reasons=rows.reasons | self._beyond_tolerance(engine - trainer, read))
         kept, _ = fused.token_histograms(engine, trainer, mask, rows.reasons, with_delta=False)
         noise = Noise(summary[0], summary[1], torch.full_like(summary[0], math.nan))
         excess = rows.samples[:, fused.ROW_COLUMNS.index("excess")]

@@ -36,6 +36,10 @@ SCENARIOS = {
     # engine-only: no importance-sampling correction and GuardConfig(compute_trainer_logprobs=False)
     "engine_only": dict(mode="quarantine", rate=None, lr=5e-4, config={"vllm_importance_sampling_correction": False},
                         guard={"compute_trainer_logprobs": False}, nan="sampling_per_token_logps"),
+    # the engine returns a NaN logprob (vLLM's None) for the first token of rows 1 and 6, which TRL counts as a perfect
+    # match in its ratio and metrics; TRL's correction also masks ratios under 0.5, so that it drops rows too
+    "engine_nan": dict(mode="quarantine", rate=0.3, lr=5e-4, config={"vllm_importance_sampling_clip_min": 0.5},
+                       engine_nan=True),
     "no_weight_sync": dict(mode="monitor", rate=None, lr=2e-2, config={}),
     "server": dict(mode="quarantine", rate=0.3, lr=0.0, config={"vllm_mode": "server"}),
     # TRL's default layout: a generation batch is a single group, so a foreign context must come from another step
@@ -210,6 +214,22 @@ def write_nonfinite(trainer, key: str) -> None:
     trainer._generate_and_score_completions = corrupting
 
 
+def engine_nan_logprobs(trainer) -> None:
+    """Between the engine and TRL: the first token's logprob of rows 1 and 6 is None, as vLLM reports a NaN
+    logprob (TRL turns it back into NaN)."""
+    original = trainer._generate
+
+    def with_nan(prompts):
+        output = list(original(prompts))
+        if trainer.model.training:
+            for row in (1, 6):
+                if output[4][row]:
+                    output[4][row] = [None, *output[4][row][1:]]
+        return tuple(output)
+
+    trainer._generate = with_nan
+
+
 def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = None, resume_from: str | None = None) -> None:
     import torch
     from datasets import Dataset
@@ -268,6 +288,8 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     no_grad_forwards = count_no_grad_forwards(trainer)
     if spec.get("nan"):
         write_nonfinite(trainer, spec["nan"])
+    if spec.get("engine_nan"):
+        engine_nan_logprobs(trainer)
     guard_settings = {"max_quarantine_share": 0.95, **spec.get("guard", {})}
     guarded = attach_guard(trainer, GuardConfig(mode=spec["mode"], **guard_settings), keep_steps=True)
     if spec["rate"] is not None:

@@ -526,3 +526,48 @@ def test_a_trl_whose_advantages_differ_from_the_replica_stops_at_the_first_step(
     assert "TRL's advantages differ from rollout_guard's replica" in done.stderr and "at step 1 on process(es) [0]" in done.stderr
     assert f"installed trl {importlib.metadata.version('trl')}; rollout_guard supports trl 1.14–1.16" in done.stderr
     assert not (out / "result.pt").exists()
+
+
+@pytest.fixture(scope="module")
+def engine_nan(tmp_path_factory, tiny_model_dir):
+    result, log = run_scenario("engine_nan", tmp_path_factory, tiny_model_dir, steps=3)
+    return {**result, "log": log}
+
+
+def test_a_nan_engine_logprob_that_trl_counts_as_a_match_is_still_quarantined(engine_nan):
+    """vLLM reports a NaN logprob for the first token of rows 1 and 6: TRL's ratio and its sampling metrics treat
+    it as a perfect match (finite, no sign of it), and the guard still quarantines exactly those rows for it."""
+    for raw, report in zip(engine_nan["raw"], engine_nan["reports"], strict=True):
+        assert torch.isnan(raw["sampling_per_token_logps"][[1, 6], 0]).all()
+        assert torch.isfinite(raw["importance_sampling_ratio"][[1, 6]]).all(), "TRL's ratio hides the NaN"
+        flagged = (report["reasons"] & RULE_BIT["nonfinite_engine"]) != 0
+        assert torch.nonzero(flagged).flatten().tolist() == [1, 6]
+        assert report["quarantined"][[1, 6]].all()
+    differences = [row["sampling/sampling_logp_difference/max"] for row in engine_nan["log_history"]
+                   if "sampling/sampling_logp_difference/max" in row]
+    assert differences and all(math.isfinite(value) for value in differences)
+
+
+def test_trls_correction_and_the_rewards_of_suspect_rows_are_step_metrics(engine_nan):
+    """The trl_is/* metrics count the rows whose ratio TRL's sequence_mask zeroed (read from the ratio TRL put in
+    its batch), and their overlap with the verdict; the reward/* metrics compare the suspect rows' rewards."""
+    from rollout_guard.outcomes import reward_metrics
+
+    both = 0
+    for raw, report, rewards in zip(engine_nan["raw"], engine_nan["reports"], engine_nan["rewards"], strict=True):
+        metrics, suspect = report["metrics"], report["suspect"]
+        zeroed = raw["importance_sampling_ratio"].flatten() == 0
+        assert metrics["trl_is/corrected_rows"] == int(zeroed.sum())
+        assert metrics["trl_is/corrected_tokens"] == int(raw["completion_mask"][zeroed].sum())
+        assert metrics["trl_is/both"] == int((zeroed & suspect).sum())
+        assert metrics["trl_is/only_trl"] == int((zeroed & ~suspect).sum())
+        assert metrics["trl_is/only_guard"] == int((~zeroed & suspect).sum())
+        both += metrics["trl_is/both"]
+        total = (rewards * engine_nan["reward_weights"]).nansum(dim=1)
+        expected = reward_metrics(total, engine_nan["num_generations"], suspect)
+        assert metrics["reward/suspect_mean"] == pytest.approx(expected["reward/suspect_mean"])
+        assert metrics["reward/suspect_above_group_median"] == pytest.approx(
+            expected["reward/suspect_above_group_median"], nan_ok=True)
+    assert both > 0 and engine_nan["summary"]["steps"] == 3
+    summary = engine_nan["log"]
+    assert "TRL's importance-sampling correction zeroed or clipped" in summary and "reward: suspect rollouts" in summary
