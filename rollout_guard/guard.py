@@ -71,6 +71,8 @@ class StepReport:
     # the detector's state this step was judged against (name → tensor on the guard's device, taken before the
     # step's update without a host sync), on steps with suspect rows: what ``rollout-guard replay`` judges with
     detector_state: dict[str, torch.Tensor] | None = None
+    # every rank's ``row_extras`` (see inspect), (ranks · rows, k) float64 on the host, rank order; None without
+    row_extras: torch.Tensor | None = None
 
     @property
     def check_failed_on(self) -> list[int]:
@@ -207,7 +209,7 @@ class RolloutGuard:
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
                 check_failed: torch.Tensor | bool | int = False,
-                sampling: Sequence[object] | None = None) -> StepReport:
+                sampling: Sequence[object] | None = None, row_extras: torch.Tensor | None = None) -> StepReport:
         """Judge one batch: :meth:`update` → :meth:`sync` → :meth:`compute`.
 
         ``evidence`` may instead be the exception raised while collecting it on this rank; ``batch_size`` (rows on
@@ -218,7 +220,9 @@ class RolloutGuard:
         (``report.check_failed_on``, ``report.flagged_on(flag)``). ``sampling``: the settings these rollouts were
         sampled with (e.g. temperature, top_p, top_k; the same on every rank); when they differ from the previous
         step's, the detector's noise starts over (:meth:`reset_noise`): the processed logprobs' offset depends on
-        them. ``None``: unknown, the noise carries on."""
+        them. ``None``: unknown, the noise carries on. ``row_extras``: (rows on this rank, k) values of the caller's
+        per row (NaN where unknown; the same k on every rank) that travel in the same gather and come back in
+        ``report.row_extras`` for every rank's rows, so a caller needs no collective of its own."""
         started = time.perf_counter()
         if sampling is not None:
             settings = tuple(sampling)
@@ -226,6 +230,12 @@ class RolloutGuard:
                 self.reset_noise()
             self.sampling = settings
         packet, batch, error = self.update(evidence, batch_size)
+        extras = 0
+        if row_extras is not None:  # appended after the packet's own layout
+            extras = row_extras.shape[-1]
+            if row_extras.dim() != 2 or row_extras.shape[0] != batch:  # the gather needs the same size on every rank
+                row_extras = torch.full((batch, extras), math.nan)
+            packet = torch.cat([packet, row_extras.to(device=packet.device, dtype=packet.dtype).reshape(-1)])
         if isinstance(check_failed, torch.Tensor):  # a device flag: copied on the device, no host sync
             packet[1:2] = check_failed.to(device=packet.device, dtype=packet.dtype).reshape(1)
         elif check_failed:
@@ -234,7 +244,7 @@ class RolloutGuard:
         local = packet[PacketLayout(batch).reasons] != 0 if self.config.quarantines else None
         gathered = self.sync(packet)
         try:
-            return self.compute(step, batch, gathered, error, started, local)
+            return self.compute(step, batch, gathered, error, started, local, extras)
         except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
             return self._failed_step(step, batch, gathered[:, :2].cpu(), caught, started)
 
@@ -285,7 +295,7 @@ class RolloutGuard:
                           judgement.kept_counts.flatten().to(dtype), noise.to(dtype)])
 
     def compute(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
-                started: float, local: torch.Tensor | None) -> StepReport:
+                started: float, local: torch.Tensor | None, extras: int = 0) -> StepReport:
         """The step's report from every process's packet; the detector learns the kept rows of the global batch."""
         layout = PacketLayout(batch)
         width = layout.width
@@ -319,6 +329,7 @@ class RolloutGuard:
             check_flags=[int(flag) for _, flag in head],
             threshold=self.detector.threshold,
             detector_state=judged_with,
+            row_extras=host[:, layout.size:].reshape(-1, extras).double() if extras else None,
         )
         report.metrics = step_metrics(aggregate(report.samples, reasons_host), host.shape[0] * batch,
                                       histogram.tolist(), self.config.quarantines)

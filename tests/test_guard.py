@@ -374,3 +374,17 @@ def test_a_snapshot_of_the_history_is_not_changed_by_later_steps():
     guard.inspect(batch(1, [2]), step=2)
     assert view.totals.history == before and guard.totals.history[-1]["span"] == 2
     assert len(guard.totals.history) < HISTORY_ROWS
+
+
+def test_row_extras_travel_in_the_step_gather_and_come_back_for_every_row():
+    """A caller's per-row values ride in the packet: no collective of the caller's own; a wrong shape becomes NaN
+    rows (the gather needs one size on every rank)."""
+    engine = torch.full((3, 5), -0.5)
+    evidence = RolloutEvidence(mask=torch.ones(3, 5, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=engine - 0.01)
+    guard = RolloutGuard(GuardConfig())
+    extras = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    report = guard.inspect(evidence, step=1, row_extras=extras)
+    assert report.row_extras.tolist() == extras.tolist() and report.metrics["samples"] == 3
+    assert guard.inspect(evidence, step=2).row_extras is None
+    wrong = guard.inspect(evidence, step=3, batch_size=3, row_extras=torch.ones(2, 2))
+    assert wrong.row_extras.shape == (3, 2) and bool(wrong.row_extras.isnan().all())

@@ -325,7 +325,7 @@ class TrlGuard:
         flags = SUPPORT_CHECK if support_failed else replica_failed
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
                                     check_failed=flags + OUTPUT_CHECK if output_failed else flags,
-                                    sampling=self._comparison(trainer))
+                                    sampling=self._comparison(trainer), row_extras=self._correction_rows(batch))
         self.last_report = report
         if report.flagged_on(OUTPUT_CHECK):
             self._raise_output_failure(report)
@@ -362,28 +362,30 @@ class TrlGuard:
             self._stop(report)
         return guarded
 
+    def _correction_rows(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """When TRL's importance-sampling correction is on: this process's rows' (corrected tokens, loss tokens)
+        (:func:`rollout_guard.outcomes.is_correction_rows`), NaN where they cannot be computed; they travel in the
+        step's one gather (``row_extras``)."""
+        trainer = self.trainer
+        if not (trainer.use_vllm and getattr(trainer, "vllm_importance_sampling_correction", False)):
+            return None
+        try:
+            return is_correction_rows(
+                require(batch, "old_per_token_logps"), require(batch, "sampling_per_token_logps"), loss_mask_of(batch),
+                trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
+                trainer.vllm_importance_sampling_clip_max)
+        except Exception as error:  # noqa: BLE001 - the rows travel as NaN: every process still joins the gather
+            self._say_once("is-correction", f"rollout_guard: TRL's importance-sampling correction metrics are off "
+                                            f"({type(error).__name__}: {error})")
+            return torch.full((self.local_rows(), 2), math.nan, dtype=torch.float64)
+
     def _outcome_metrics(self, batch: dict[str, Any], report: StepReport, rewards: torch.Tensor | None) -> None:
         """Add the step's outcome metrics (:mod:`rollout_guard.outcomes`) to the report and the run's totals: the
         rewards of the suspect rows against the others, and, when TRL's importance-sampling correction is on, what it
-        zeroes or clips next to the verdict, computed from TRL's batch with TRL's arithmetic. Every process takes
-        part in the same steps (with several, one gather of (B, 2) per step, also from a process whose batch lacks
-        the keys: it sends NaN)."""
-        trainer = self.trainer
-        if trainer.use_vllm and getattr(trainer, "vllm_importance_sampling_correction", False):
-            rows = torch.full((self.local_rows(), 2), math.nan, dtype=torch.float64, device=self.guard.device)
-            try:
-                rows = is_correction_rows(
-                    require(batch, "old_per_token_logps"), require(batch, "sampling_per_token_logps"),
-                    loss_mask_of(batch), trainer.vllm_importance_sampling_mode,
-                    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max,
-                ).to(rows.device)
-            except Exception as error:  # noqa: BLE001 - still join the gather below
-                self._say_once("is-correction", f"rollout_guard: TRL's importance-sampling correction metrics are "
-                                                f"off ({type(error).__name__}: {error})")
-            if trainer.accelerator.num_processes > 1:
-                rows = trainer.accelerator.gather(rows.to(trainer.accelerator.device))
-            if not bool(rows.isnan().any()):
-                report.metrics.update(is_correction_metrics(rows, report.suspect))
+        zeroes or clips next to the verdict (every process's rows, from the step's one gather)."""
+        rows = report.row_extras
+        if rows is not None and not bool(rows.isnan().any()):  # a host tensor
+            report.metrics.update(is_correction_metrics(rows, report.suspect))
         group = self.settings.group_size
         if (rewards is not None and rewards.dim() == 2 and rewards.shape[0] == report.suspect.numel()
                 and rewards.shape[0] % group == 0):
