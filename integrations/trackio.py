@@ -12,6 +12,7 @@ from rollout_guard.records import QuarantineRecord
 from rollout_guard.sinks import finite_metrics
 
 PREFIX = "rollout_guard/"
+INTERNAL_PREFIX = "rollout_guard_internal/"  # how the guard works (rollout_guard.sinks.INTERNAL_METRICS): own section
 
 
 class TrackioSink:
@@ -33,7 +34,7 @@ class TrackioSink:
         pass
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
-        row: dict[str, float] = finite_metrics(report.metrics, PREFIX)
+        row: dict[str, float] = finite_metrics(report.metrics, PREFIX, INTERNAL_PREFIX)
         row["train/global_step"] = report.step
         self.pending.append(row)
         self._flush()

@@ -31,6 +31,7 @@ from rollout_guard.statistics import DELTA_BIN_EDGES
 logger = logging.getLogger("rollout_guard")
 
 PREFIX = "rollout_guard/"
+INTERNAL_PREFIX = "rollout_guard_internal/"  # how the guard works (rollout_guard.sinks.INTERNAL_METRICS): own section
 TABLE_COLUMNS = [
     "step", "rollout", "action", "why", "rules", "score", "prompt", "completion", "reward", "max_abs_delta",
     "mean_abs_delta", "onset_token", "onset_text", "engine_mean_logprob", "trainer_mean_logprob", "injected",
@@ -91,8 +92,10 @@ class WandbSink:
         if self._defined_for is not run:
             run.define_metric("train/global_step")
             run.define_metric(f"{PREFIX}*", step_metric="train/global_step", step_sync=True)
+            run.define_metric(f"{INTERNAL_PREFIX}*", step_metric="train/global_step", step_sync=True)
+            run.config.update({"rollout_guard": self.config.to_dict()}, allow_val_change=True)  # the run's settings
             self._defined_for = run
-        payload: dict[str, Any] = finite_metrics(report.metrics, PREFIX)
+        payload: dict[str, Any] = finite_metrics(report.metrics, PREFIX, INTERNAL_PREFIX)
         counts = report.delta_histogram.numpy()
         if counts.sum() > 0:
             payload[f"{PREFIX}log10_abs_delta"] = self.wandb.Histogram(np_histogram=(counts, self.edges))

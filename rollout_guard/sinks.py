@@ -52,10 +52,27 @@ class Sink(Protocol):
         """Training ended; flush and close."""
 
 
-def finite_metrics(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
-    """The finite numbers of a metrics dict, keys prefixed (what trackers can plot)."""
-    return {f"{prefix}{key}": value for key, value in metrics.items()
-            if isinstance(value, (int, float)) and math.isfinite(value)}
+INTERNAL_METRICS = ("noise/", "score_threshold", "noise_resets", "guard_seconds", "overhead_seconds", "samples",
+                    "tokens", "compared_tokens", "engine_max_logprob", "engine_mean_logprob", "trainer_max_logprob",
+                    "trainer_mean_logprob", "kl_k3")
+"""Metric names (or name prefixes) that show how the guard works rather than what it found: trackers log them under
+their own first segment (W&B makes one panel section of each), so that the panels a user scans stand alone."""
+
+
+def finite_metrics(metrics: dict[str, float], prefix: str = "", internal_prefix: str | None = None) -> dict[str, float]:
+    """The finite numbers of a metrics dict, keys prefixed (what trackers can plot); with ``internal_prefix``, the
+    :data:`INTERNAL_METRICS` under it instead.
+
+    >>> finite_metrics({"suspect": 1.0, "noise/scale_r0": 0.2, "max_score": float("nan")}, "rollout_guard/",
+    ...                "rollout_guard_internal/")
+    {'rollout_guard/suspect': 1.0, 'rollout_guard_internal/noise/scale_r0': 0.2}
+    """
+    return {f"{internal_prefix}{key}" if internal_prefix is not None and _internal(key) else f"{prefix}{key}": value
+            for key, value in metrics.items() if isinstance(value, (int, float)) and math.isfinite(value)}
+
+
+def _internal(key: str) -> bool:
+    return any(key == name or (name.endswith("/") and key.startswith(name)) for name in INTERNAL_METRICS)
 
 
 def _step_after(line: bytes, step: int) -> bool:

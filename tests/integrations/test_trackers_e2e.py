@@ -40,9 +40,11 @@ def test_true_per_step_values_with_train_global_step(trackers):
     assert [item["train/global_step"] for item in ours] == [row["step"] for row in local] == [1, 2, 3, 4]
     for item, row in zip(ours, local, strict=True):
         for key in ("max_abs_delta", "p99_abs_delta", "quarantined", "quarantined_share", "max_score",
-                    "engine_max_logprob", "nonfinite_engine_tokens", "rule/score", "score_threshold",
-                    "noise/scale_r3"):
+                    "nonfinite_engine_tokens", "rule/score"):
             assert item[f"rollout_guard/{key}"] == pytest.approx(row[key]), key
+        for key in ("engine_max_logprob", "score_threshold", "noise/scale_r3"):  # how it works: a section of its own
+            assert item[f"rollout_guard_internal/{key}"] == pytest.approx(row[key]), key
+            assert f"rollout_guard/{key}" not in item
         # the engine's state next to the mismatch (engine stats on in this scenario)
         for key in ("engine/weight_version", "engine/kv_cache_usage_max", "engine/running_requests_max", "engine/prefix_cache_hit_share"):
             assert item[f"rollout_guard/{key}"] == pytest.approx(row[key]), key
@@ -56,6 +58,7 @@ def test_true_per_step_values_with_train_global_step(trackers):
     assert not any(key.startswith("train/rollout_guard/") for item in history for key in item)
     metric_defs = [r["metric"] for r in trackers["wandb_records"] if r["type"] == "metric"]
     assert any(m.get("glob_name") == "rollout_guard/*" and m.get("step_metric") == "train/global_step" for m in metric_defs)
+    assert any(m.get("glob_name") == "rollout_guard_internal/*" for m in metric_defs)
 
 
 def test_chart_images_are_written_and_logged(trackers):
@@ -120,3 +123,8 @@ def test_trackio_receives_the_same_scalars(trackers):
         assert math.isclose(row["rollout_guard/max_abs_delta"], expected["max_abs_delta"], rel_tol=1e-6)
         assert row["rollout_guard/engine/weight_version"] == expected["engine/weight_version"] == expected["step"]
         assert math.isclose(row["rollout_guard/engine/kv_cache_usage_max"], expected["engine/kv_cache_usage_max"], rel_tol=1e-6)
+
+
+def test_the_guard_settings_are_in_the_wandb_run_config(trackers):
+    configs = [json.dumps(r) for r in trackers["wandb_records"] if r["type"] == "config"]
+    assert any("rollout_guard" in text and "false_alarm_budget" in text for text in configs), configs[:2]
