@@ -6,6 +6,7 @@ import base64
 import html
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from rollout_guard.store import read_records
 from rollout_guard.verdict import RULE_TEXT
 
 
+REPORT_ORDER = ("alerts", "rollouts", "spikes", "worst", "outcomes", "histogram", "engine", "unreadable",
+                "configuration")
+"""The report's sections, in the order a user scans them: what fired and what was dropped (with why) first, the
+charts next, how the guard works last."""
 STATISTICS_ONLY = "(statistics only: not among the step's worst evidence_samples_per_step)"
 
 
@@ -135,24 +140,24 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
           "score_threshold", "suspect", "quarantined")}
         for row in metrics
     ]
-    sections = []
+    sections: dict[str, str] = {}  # id → html, put in REPORT_ORDER below
     if history:
         chart = spike_chart(history, config.get("ceiling_delta"), figures / "spikes.png")
-        sections.append(f"<h2>Score and |Δ| per step</h2>{_img(chart, 'spike chart')}")
+        sections["spikes"] = f"<h2>Score and |Δ| per step</h2>{_img(chart, 'spike chart')}"
         histograms = [row["delta_histogram"] for row in metrics if row.get("delta_histogram")]
         if histograms and len(histograms) == len(metrics):
             heatmap = delta_heatmap([row["step"] for row in metrics], histograms, DELTA_BIN_EDGES.tolist(),
                                     figures / "histogram.png")
-            sections.append(f"<h2>Token |Δ| histogram per step</h2>{_img(heatmap, 'histogram heatmap')}")
-    sections.extend(_engine_sections(run_dir, metrics, figures))
-    sections.extend(_outcome_sections(metrics))
+            sections["histogram"] = f"<h2>Token |Δ| histogram per step</h2>{_img(heatmap, 'histogram heatmap')}"
+    sections["engine"] = "".join(_engine_sections(run_dir, metrics, figures))
+    sections["outcomes"] = "".join(_outcome_sections(metrics))
     if problems:
         items = "".join(f"<li>{html.escape(problem)}</li>" for problem in problems)
-        sections.append(f"<h2>Unreadable lines skipped ({len(problems)})</h2><ul>{items}</ul>")
+        sections["unreadable"] = f"<h2>Unreadable lines skipped ({len(problems)})</h2><ul>{items}</ul>"
     if alerts:
         items = "".join(f"<li><b>step {a['step']}</b>: {html.escape(a['title'])}<br>"
                         f"<small>{html.escape(a['text'])}</small></li>" for a in alerts)
-        sections.append(f"<h2>Alerts ({len(alerts)})</h2><ul>{items}</ul>")
+        sections["alerts"] = f"<h2>Alerts ({len(alerts)})</h2><ul>{items}</ul>"
     # token by token needs the tokens: records without them (beyond evidence_samples_per_step) are tabled only
     worst = sorted((record for record in records if record.full_evidence),
                    key=lambda record: -(record.stats.get("score") or -math.inf))[:top]
@@ -162,7 +167,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
                  f"rollout {record.global_row}")
             for index, record in enumerate(worst)
         )
-        sections.append(f"<h2>Highest-scoring {len(worst)} rollouts, token by token</h2>{plots}")
+        sections["worst"] = f"<h2>Highest-scoring {len(worst)} rollouts, token by token</h2>{plots}"
     if records:
         header = ("step", "rollout", "action", "why", "rules", "score", "prompt", "completion", "reward", "max |Δ|",
                   "mean |Δ|", "onset token", "injected", "engine context")
@@ -182,7 +187,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
         title = (f"Quarantined rollouts ({len(records)})" if quarantined == len(records) else
                  f"Suspect rollouts ({len(records)}; {quarantined} quarantined, the rest kept in monitor mode)")
         legend = "".join(f"<li><b>{html.escape(name)}</b>: {html.escape(text)}</li>" for name, text in RULE_TEXT.items())
-        sections.append(
+        sections["rollouts"] = (
             f"<h2>{html.escape(title)}</h2><p>Rules:</p><ul>{legend}</ul><table><tr>"
             + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" + "".join(body) + "</table>"
         )
@@ -199,7 +204,11 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, top: int
     }
     summary_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(format_value(v))}</td></tr>"
                            for k, v in summary.items())
-    config_html = html.escape(json.dumps(config, indent=1))
+    sections["configuration"] = f"<h2>Configuration</h2><pre>{html.escape(json.dumps(config, indent=1))}</pre>"
+    ordered = [(key, sections[key]) for key in REPORT_ORDER if sections.get(key)]
+    contents = "".join(f'<li><a href="#{key}">{re.sub("<[^>]+>", "", text.split("</h2>")[0])}</a></li>'
+                       for key, text in ordered)
+    body_html = "".join(f'<section id="{key}">{text}</section>' for key, text in ordered)
     stopped_html = ('<p class="stopped"><b>TRAINING WAS STOPPED by the circuit breaker</b> (the run did not finish as '
                     f'planned): {html.escape(str(stopped))}</p>' if stopped else "")
     if would_have_stopped:
@@ -212,7 +221,7 @@ text-align:left;vertical-align:top}}
 td{{font-family:monospace;white-space:pre-wrap;max-width:420px}}
 .stopped{{background:#fde0dc;border:2px solid #d62728;padding:10px;font-size:16px}}</style></head><body>
 <h1>rollout_guard report</h1><p>{html.escape(str(run_dir))}</p>{stopped_html}<table>{summary_html}</table>
-{''.join(sections)}<h2>Configuration</h2><pre>{config_html}</pre></body></html>"""
+<h2>Contents</h2><ul>{contents}</ul>{body_html}</body></html>"""
     output = Path(output) if output is not None else run_dir / "report.html"
     output.write_text(page)
     return output

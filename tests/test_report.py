@@ -151,3 +151,13 @@ def test_a_monitor_run_over_the_ceiling_says_what_quarantine_mode_would_have_don
     assert "<th>steps over max_quarantine_share</th><td>3</td>" in page
     assert "the circuit breaker would have stopped this run</b>: quarantine mode (on_ceiling=&#x27;stop&#x27;) would " \
            "have stopped training at step 1" in page
+
+
+def test_what_was_dropped_and_why_comes_before_the_charts_with_contents(tmp_path):
+    fill_run(tmp_path / "rollout_guard")
+    page = build_report(tmp_path).read_text()
+    order = [page.index(f'<section id="{key}">') for key in ("alerts", "rollouts", "spikes", "worst", "configuration")]
+    assert order == sorted(order), order
+    assert page.index("Quarantined rollouts (1)") < page.index('src="data:image/png')  # the table before any chart
+    for key in ("alerts", "rollouts", "spikes", "histogram", "configuration"):
+        assert f'<a href="#{key}">' in page and page.index(f'<a href="#{key}">') < order[0], key
