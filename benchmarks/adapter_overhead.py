@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from rollout_guard.sinks import Sink
+
 
 # -- a real tokenizer, built here ----------------------------------------------------------------------------------
 
@@ -135,7 +137,7 @@ def make_batch(stream: torch.Tensor, rows: int, tokens: int, prompt_tokens: int,
     return batch, rewards
 
 
-class TimedSink:
+class TimedSink(Sink):
     """Wraps a sink: time spent in each of its calls (on the writer thread)."""
 
     def __init__(self, sink: Any, clock: dict[str, float]) -> None:

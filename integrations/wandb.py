@@ -25,7 +25,7 @@ from rollout_guard.charts import spike_chart, token_chart
 from rollout_guard.config import GuardConfig
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.records import QuarantineRecord
-from rollout_guard.sinks import finite_metrics
+from rollout_guard.sinks import Sink, finite_metrics
 from rollout_guard.statistics import DELTA_BIN_EDGES
 
 logger = logging.getLogger("rollout_guard")
@@ -57,7 +57,7 @@ def table_row(record: QuarantineRecord) -> list[Any]:
     ]
 
 
-class WandbSink:
+class WandbSink(Sink):
     """Sends the guard's view of each step to the active W&B run. ``image_dir``: where chart PNGs are written."""
 
     def __init__(self, config: GuardConfig, image_dir: str | Path, run: Any = None) -> None:

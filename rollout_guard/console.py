@@ -21,6 +21,7 @@ from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.outcomes import outcome_lines
 from rollout_guard.records import QuarantineRecord
 from rollout_guard.verdict import fired_rules
+from rollout_guard.sinks import Sink
 
 logger = logging.getLogger("rollout_guard")
 
@@ -107,7 +108,7 @@ def _show_when_unconfigured(stream: TextIO) -> None:
     logger.propagate = False  # a root handler added later would print every line twice
 
 
-class ConsoleSink:
+class ConsoleSink(Sink):
     """Alerts as they happen and a summary at the end, through the ``rollout_guard`` logger.
 
     Args:

@@ -16,6 +16,7 @@ from typing import Any
 
 from rollout_guard.records import json_safe
 from rollout_guard.statistics import COLUMN
+from rollout_guard.sinks import Sink
 
 logger = logging.getLogger("rollout_guard")
 
@@ -106,7 +107,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-class EngineContextSink:
+class EngineContextSink(Sink):
     """Writes each step's per-rollout engine context next to its |Δ| (``engine_samples.jsonl``) and draws
     ``engine.png`` (per step: max |Δ| and quarantined share against KV-cache usage, running requests and weight
     version) and ``engine_samples.png`` (per rollout). The per-step ``engine/*`` values themselves travel in the

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Protocol
 
 from rollout_guard.config import GuardConfig
 from rollout_guard.extras import MissingExtraError, require_extra
@@ -41,12 +40,20 @@ def read_detector_states(directory: str | Path) -> dict[int, dict]:
     return states
 
 
-class Sink(Protocol):
+class Sink:
+    """Where the guard's outputs go: one no-op hook per event, a sink overrides those it handles (as Lightning's
+    ``Callback``). Hooks run on the main process, on the background writer thread when there is one; one that raises
+    is logged and counted (``output_failures``), or stops the run with ``strict=True``."""
+
     def on_records(self, records: list[QuarantineRecord], guard: RolloutGuard) -> None:
         """Suspect samples of the current step, from all processes (called before ``on_step``)."""
 
     def on_step(self, report: StepReport, guard: RolloutGuard) -> None:
-        """Once per guarded step, after ``on_records``; ``report.alerts`` holds the step's alerts."""
+        """Once per judged step, after ``on_records``; ``report.alerts`` holds the step's alerts (the circuit breaker
+        and guard failures included), ``report.skipped`` says the guard could not judge it."""
+
+    def on_resume(self, step: int, guard: RolloutGuard) -> None:
+        """Training resumed from a checkpoint saved after ``step``: drop what was written after it."""
 
     def on_end(self, guard: RolloutGuard) -> None:
         """Training ended; flush and close."""
@@ -82,7 +89,7 @@ def _step_after(line: bytes, step: int) -> bool:
         return False
 
 
-class LocalFilesSink:
+class LocalFilesSink(Sink):
     """Writes ``metrics.jsonl`` (one line per step, with the step's |Δ| histogram), ``alerts.jsonl``, the
     quarantine store, ``detector_states.jsonl`` (per step with suspect rollouts, the detector's state it was judged
     against: ``rollout-guard replay`` judges with it), ``spikes.png`` and ``summary.json``."""
@@ -146,7 +153,7 @@ class LocalFilesSink:
         return spike_chart(guard.totals.history, self.config.ceiling_delta, self.chart_path)
 
 
-class StepTableSink:
+class StepTableSink(Sink):
     """Prints one table row per guarded step (rich: the `cli` extra), for watching a run closely (the demo does).
     Alerts and the end-of-training summary are :class:`rollout_guard.console.ConsoleSink`'s."""
 

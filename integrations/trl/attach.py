@@ -77,10 +77,10 @@ class TrlGuard:
         if config is not None and not isinstance(config, GuardConfig):
             raise GuardError(f"attach_guard(trainer, config={config!r}): config must be a GuardConfig, e.g. "
                              "attach_guard(trainer, GuardConfig(mode='monitor'))")
-        if sinks is not None and not (isinstance(sinks, (list, tuple)) and all(hasattr(s, "on_step") for s in sinks)):
-            raise GuardError(f"attach_guard(trainer, sinks={sinks!r}): sinks must be a list of sinks "
-                             "(objects with on_records, "
-                             "on_step and on_end), e.g. [LocalFilesSink(folder, config)], or None for the defaults")
+        if sinks is not None and not (isinstance(sinks, (list, tuple)) and all(isinstance(s, Sink) for s in sinks)):
+            raise GuardError(f"attach_guard(trainer, sinks={sinks!r}): sinks must be a list of "
+                             "rollout_guard.sinks.Sink subclasses, e.g. [LocalFilesSink(folder, config)], or None for "
+                             "the defaults")
         if not isinstance(keep_steps, bool):
             raise GuardError(f"attach_guard(trainer, keep_steps={keep_steps!r}): use True or False")
         if getattr(trainer, "_rollout_guard", None) is not None:
@@ -613,11 +613,10 @@ class TrlGuard:
         step = checkpoint_state.saved_step(state)
         self.flush()
         for sink in self.sinks if self.is_main_process else []:
-            if hasattr(sink, "on_resume"):
-                try:
-                    sink.on_resume(step, self.guard)
-                except Exception as error:
-                    self._failure(f"{type(sink).__name__}.on_resume", error)
+            try:
+                sink.on_resume(step, self.guard)
+            except Exception as error:
+                self._failure(f"{type(sink).__name__}.on_resume", error)
         return True
 
     # -- lifecycle ---------------------------------------------------------------------------------------------

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 
+from rollout_guard.sinks import Sink
+
 STEPS = 4
 
 
-class _FullDisk:
+class _FullDisk(Sink):
     def __init__(self) -> None:
         self.failed = False
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rollout_guard.errors import GuardError
+from rollout_guard.sinks import Sink
 
 
 def make_trainer(model_dir, out, rollouts=None, **overrides):
@@ -144,7 +145,7 @@ def test_the_default_circuit_breaker_stop_ends_train_with_an_exception_said_once
     assert summary["stopped"] in message and summary["steps_over_ceiling"] == 1
 
 
-class _RecordingSink:
+class _RecordingSink(Sink):
     """Remembers what reached it; ``fail_on``: events that raise; ``gate``: on_step waits until it is set, then
     0.5 s more (a slow disk or tracker that the test controls)."""
 
