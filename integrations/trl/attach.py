@@ -148,6 +148,10 @@ class TrlGuard:
         self._support_mass: torch.Tensor | None = None  # (B, K) of TRL's own pass this step
         # rows, tokens, seconds of the latest truncated-row pass
         self.last_truncated_pass: dict[str, float] | None = None
+        # every row of the latest generation batch quarantined (from the gathered verdict: the same on every
+        # process), and that flag for each micro-batch the loss has seen since the last optimizer step
+        self._empty_batch = False
+        self._micro_batches: list[bool] = []
 
         self._original_generate_and_score = trainer._generate_and_score_completions
         self._original_calculate_rewards = trainer._calculate_rewards
@@ -155,6 +159,9 @@ class TrlGuard:
         trainer._generate_and_score_completions = self._generate_and_score_completions
         trainer._calculate_rewards = self._calculate_rewards
         trainer._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
+        if hasattr(trainer, "_prepare_inputs"):
+            self._original_prepare_inputs = trainer._prepare_inputs
+            trainer._prepare_inputs = self._prepare_inputs
         if self.judges_truncated and hasattr(trainer, "_generate"):
             self._original_generate = trainer._generate
             trainer._generate = self._generate
@@ -209,8 +216,32 @@ class TrlGuard:
         self._generated = (output[1], output[2]) if isinstance(output, tuple) and len(output) > 2 else None
         return output
 
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's ``_prepare_inputs`` (one micro-batch of the loss); notes whether it comes from a generation batch
+        whose every row was quarantined."""
+        inputs = self._original_prepare_inputs(generation_batch)
+        if self.trainer.model.training:
+            self._micro_batches.append(self._empty_batch)
+        return inputs
+
+    def skip_empty_optimizer_step(self, step: int) -> bool:
+        """Whether the optimizer step about to be taken (TRL's 1-based ``step``) has only quarantined rows behind
+        it: every micro-batch accumulated since the last optimizer step came from a generation batch whose every row
+        was quarantined (the gathered verdict, so the same answer on every process). Then the step is counted
+        (``skipped_optimizer_steps``) and logged; the caller skips it. Forgets the micro-batches either way."""
+        empty = bool(self._micro_batches) and all(self._micro_batches)
+        self._micro_batches = []
+        if empty:
+            totals = self.guard.totals
+            totals.skipped_optimizer_steps += 1
+            logger.warning("rollout_guard: every row behind optimizer step %s was quarantined; the optimizer step is "
+                           "skipped (no momentum or weight decay applied on a zero gradient). Skipped so far: %s",
+                           step, totals.skipped_optimizer_steps)
+        return empty
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._rewards_per_func = None
+        self._empty_batch = False
         self._engine_step = None
         if self.engine_context is not None:
             self.engine_context.begin_step()
@@ -343,6 +374,9 @@ class TrlGuard:
                     raise GuardError(f"rollout_guard could not quarantine the samples of step {report.step} after "
                                      f"checking its inputs ({type(error).__name__}: {error}); stopping rather than "
                                      "training this process unguarded") from error
+            if self.config.quarantines:
+                self._empty_batch = bool(report.quarantined.all())
+                report.metrics["empty_batch"] = float(self._empty_batch)
             if report.metrics["suspect"] > 0:
                 records = self._publish_records(guarded, report, evidence, rewards, batch.get("advantages"))
         # the adapter's whole cost this step, up to handing the sinks' work to the writer (which is then cheap)
@@ -635,6 +669,19 @@ def _without_gradient_checkpointing(trainer: Any) -> Any:
     return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
 
 
+def _skip_next_step(optimizer: Any) -> None:
+    """Make the optimizer's next ``step()`` call a no-op (parameters and optimizer state untouched), once."""
+    own = optimizer.__dict__.get("step")
+
+    def skipped(*args: Any, **kwargs: Any) -> None:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own
+
+    optimizer.step = skipped
+
+
 class _GuardCallback(TrainerCallback):
     def __init__(self, guarded: TrlGuard) -> None:
         self.guarded = guarded
@@ -642,6 +689,11 @@ class _GuardCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
         if self.guarded.stop_reason is not None:
             control.should_training_stop = True
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
+        if self.guarded.skip_empty_optimizer_step(state.global_step + 1):
+            _skip_next_step(self.guarded.trainer.optimizer)
         return control
 
     def on_save(self, args, state, control, **kwargs):  # noqa: ANN001
