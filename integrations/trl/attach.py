@@ -42,6 +42,7 @@ logger = logging.getLogger("rollout_guard")
 REPLICA_CHECK = 1  # TRL's advantages differ from the guard's replica of them on this process
 SUPPORT_CHECK = 2  # the trainer's log-mass of the engine's support could not be computed on this process
 OUTPUT_CHECK = 4  # strict mode: writing this process's outputs (records, decoding, sinks) failed since the last step
+ONE_SIDED_CHECK = 8  # the setup promises engine and trainer logprobs, and this process's batch lacks one of them
 
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
@@ -134,6 +135,7 @@ class TrlGuard:
         self.trl_trainer_logprobs = trl_computes_trainer_logprobs(trainer)
         self.extra_forward = self.has_engine and not self.trl_trainer_logprobs and self.config.compute_trainer_logprobs
         two_sided = self.has_engine and (self.trl_trainer_logprobs or self.extra_forward)
+        self.two_sided = two_sided  # engine and trainer logprobs expected in every batch (checked each step)
         self.nothing_to_check = not self.has_engine and not self.trl_trainer_logprobs
         # Truncated rows TRL masks out (mask_truncated_completions): judged on their engine logprobs, with correct
         # trainer logprobs from the pass that has them (TRL's are computed under a zero mask: see _collect_evidence).
@@ -352,6 +354,9 @@ class TrlGuard:
         self.last_evidence = evidence if isinstance(evidence, RolloutEvidence) else None
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
         flags = SUPPORT_CHECK if support_failed else replica_failed
+        if self.two_sided and self.last_evidence is not None and not (
+                self.last_evidence.engine_logprobs is not None and self.last_evidence.trainer_logprobs is not None):
+            flags = flags + ONE_SIDED_CHECK
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
                                     check_failed=flags + OUTPUT_CHECK if output_failed else flags,
                                     sampling=self._comparison(trainer))
@@ -363,6 +368,8 @@ class TrlGuard:
             report.engine_context = self._engine_step  # what the sinks join to this step's rows, off this thread
         if report.flagged_on(SUPPORT_CHECK):
             self._stop_comparing_on_support(report)
+        if self.two_sided:
+            self._check_two_sided(report)
         guarded = batch
         if not report.skipped:
             if report.flagged_on(REPLICA_CHECK):
@@ -409,6 +416,22 @@ class TrlGuard:
         if alert is not None:
             report.alerts.append(alert)
         self._say_once("replica-monitor", f"rollout_guard: {message}; monitor mode: training goes on")
+
+    def _check_two_sided(self, report: StepReport) -> None:
+        """Metric ``two_sided`` (1: every process's batch had engine and trainer logprobs; 0: some process judged on
+        non-finite values only) and, when 0, an error alert naming the processes (``ONE_SIDED_CHECK`` in the
+        step's gather: the same on every process)."""
+        ranks = report.flagged_on(ONE_SIDED_CHECK)
+        report.metrics["two_sided"] = 0.0 if ranks else 1.0
+        if not ranks:
+            return
+        message = (f"the batch of step {report.step} on process(es) {ranks} lacked the engine's or the trainer's "
+                   "logprobs although this setup compares both; those rollouts were checked for non-finite values "
+                   "only (metric two_sided 0 on every such step)")
+        alert = self.guard.alerts.error("one_sided", report.step, float(len(ranks)), 0.0,
+                                        f"rollout_guard: step {report.step} judged one-sided", message)
+        if alert is not None:
+            report.alerts.append(alert)
 
     def _stop(self, report: StepReport) -> None:
         """The circuit breaker tripped (quarantine mode): stop after this step (``"stop"``: :meth:`close` raises at the
