@@ -629,8 +629,12 @@ class TrlGuard:
 
     def load_state(self, checkpoint_dir: str | Path) -> bool:
         """Restore the guard's state from a TRL checkpoint; the local files drop what the run wrote after that
-        checkpoint (those steps run again), so a resumed run has one line per step."""
-        state = checkpoint_state.load_state(self.guard, checkpoint_dir)
+        checkpoint (those steps run again), so a resumed run has one line per step. With several processes every
+        one loads the main process's state (:meth:`_main_process_state`), so all resume in step."""
+        state = self._main_process_state(checkpoint_dir) if self.trainer.accelerator.num_processes > 1 else None
+        if self.trainer.accelerator.num_processes > 1 and state is None:
+            return False
+        state = checkpoint_state.load_state(self.guard, checkpoint_dir, state)
         if state is None:
             return False
         step = checkpoint_state.saved_step(state)
@@ -642,6 +646,26 @@ class TrlGuard:
                 except Exception as error:
                     self._failure(f"{type(sink).__name__}.on_resume", error)
         return True
+
+    def _main_process_state(self, checkpoint_dir: str | Path) -> dict | None:
+        """The state the main process reads from its ``checkpoint_dir``, on every process (one
+        ``broadcast_object_list`` from rank 0): only the main process writes it, and other nodes may not share its
+        filesystem. A failure to read it there raises on every process."""
+        import torch.distributed as dist
+
+        payload: tuple[str, Any] | None = None
+        if self.is_main_process:
+            try:
+                payload = ("state", checkpoint_state.read_state(checkpoint_dir))
+            except Exception as error:  # noqa: BLE001 - every process must raise, not the main one alone
+                payload = ("error", f"{type(error).__name__}: {error}")
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise GuardError(f"rollout_guard: reading the guard's state from the main process's checkpoint "
+                             f"{checkpoint_dir} failed ({value}); stopping every process")
+        return value
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
