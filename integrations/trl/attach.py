@@ -6,6 +6,7 @@ import copy
 import contextlib
 import logging
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -333,14 +334,25 @@ class TrlGuard:
         records: list = []
         replica_failed: torch.Tensor | bool = False
         support_failed = False
-        truncated = self._truncated()
+        # host work before a collective fails here without leaving that collective: its error travels in the step's
+        # gather (raised as this process's evidence below), and every process skips or raises together
+        truncated_error: BaseException | None = None
+        try:
+            truncated = self._truncated()
+        except Exception as error:  # noqa: BLE001 - still join the truncated-row pass and the gathers
+            truncated, truncated_error = ([], [], None), error
         forward_rows = self._forward_rows(len(truncated[0]))
+        loss_tokens: torch.Tensor | None = None
         # the writer's failures since the last look, once a step, before the gather: a strict one travels in it
         # (OUTPUT_CHECK)
         self._writer_failures()
         output_failed = self._output_failure is not None
         try:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch, truncated, forward_rows)
+            if truncated_error is not None:  # raised after the forward passes, which every process runs
+                raise truncated_error
+            if self.judges_truncated:
+                loss_tokens = self._local_loss_tokens(batch)
             support_failed = self.support is not None and self.support.error is not None
             if support_failed:  # this step's trainer logprobs are off the support here only: no process judges it
                 raise GuardError(f"computing the trainer's log-mass of the engine's support (compare_on_engine_support)"
@@ -376,7 +388,8 @@ class TrlGuard:
                 self._replica_mismatch(report)  # raises on every process in quarantine mode
             if report.any_quarantined:
                 try:
-                    guarded = quarantine_batch(batch, report, rewards, self.settings, self._loss_tokens(batch))
+                    guarded = quarantine_batch(batch, report, rewards, self.settings,
+                                               self._loss_tokens(loss_tokens))
                 except Exception as error:  # checked inputs, identical verdict: no process may go on alone
                     raise GuardError(f"rollout_guard could not quarantine the samples of step {report.step} after "
                                      f"checking its inputs ({type(error).__name__}: {error}); stopping rather than "
@@ -452,24 +465,30 @@ class TrlGuard:
             records = build_records(self.trainer, self.config, self.guard.process_index, batch, report, evidence,
                                     rewards,
                                     advantages_before, full_rows=full_rows, decode=False)
+            add_context_to_records(records, self._engine_step)
         except Exception as error:
             self._failure("writing evidence records", error)
             records = []
-        add_context_to_records(records, self._engine_step)
         # every process calls this on the same steps (metrics are identical on all ranks)
         return self._gather_to_main(records)
 
     def _gather_to_main(self, records: list) -> list:
         """The records of all processes, in rank order, on the main process only (one ``gather_object`` to rank 0,
-        not to every rank); a single process makes no collective call."""
+        not to every rank); a single process makes no collective call. The records are pickled before the gather: a
+        process whose records cannot be pickled sends none (an output failure there) and still joins it."""
         world = self.trainer.accelerator.num_processes
         if world == 1:
             return records
         import torch.distributed as dist
 
+        try:
+            payload = pickle.dumps(records)
+        except Exception as error:  # noqa: BLE001 - still join the gather
+            self._failure("sending evidence records to the main process", error)
+            payload = pickle.dumps([])
         parts: list | None = [None] * world if self.is_main_process else None
-        dist.gather_object(records, parts, dst=0)
-        return [record for part in parts for record in part] if parts is not None else []
+        dist.gather_object(payload, parts, dst=0)
+        return [record for part in parts for record in pickle.loads(part)] if parts is not None else []
 
     def _decode(self, records: list) -> None:
         """Decode the records' tokens (main process), on the background writer before the sinks see them. The
@@ -558,11 +577,16 @@ class TrlGuard:
             return local
         return int(accelerator.gather(torch.tensor([local], device=accelerator.device)).max())
 
-    def _loss_tokens(self, batch: dict[str, Any]) -> torch.Tensor | None:
-        """Loss tokens of every row of the gathered batch, when the judged mask is not the loss mask (None: it is)."""
-        if not self.judges_truncated:
+    def _local_loss_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Loss tokens of each of this process's rows: the host work of :meth:`_loss_tokens`, done before the step's
+        gather so that a failure here travels in it."""
+        return loss_mask_of(batch).sum(dim=1).to(torch.float64 if self.guard.device.type != "mps" else torch.float32)
+
+    def _loss_tokens(self, tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """Loss tokens of every row of the gathered batch from each process's :meth:`_local_loss_tokens`, when the
+        judged mask is not the loss mask (None: it is, or ``tokens`` is None)."""
+        if tokens is None:
             return None
-        tokens = loss_mask_of(batch).sum(dim=1).to(torch.float64 if self.guard.device.type != "mps" else torch.float32)
         accelerator = self.trainer.accelerator
         return accelerator.gather(tokens.to(accelerator.device)) if accelerator.num_processes > 1 else tokens
 
