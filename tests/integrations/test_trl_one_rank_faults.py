@@ -14,9 +14,9 @@ from tests.processes import launch
 
 def test_a_host_exception_on_one_process_before_a_collective_skips_together_and_nothing_hangs(tiny_model_dir,
                                                                                              tmp_path):
-    """Rank 1 raises at step 3 (a generation step) in the truncated-row search (before the truncated-row pass's gather), in the loss
-    token count (before the quarantine's gather), in adding engine context to its records and in pickling its
-    records (both before the records' ``gather_object``). The first two: the step's evidence fails on rank 1, the
+    """Rank 1 raises at step 3 (a generation step) in the truncated-row search (before the truncated-row pass's
+    gather), in the loss token count (before the quarantine's gather), in adding engine context to its records and
+    in pickling its records (both before the records' ``gather_object``). The first two: the step's evidence fails on rank 1, the
     failure travels in the step's one gather and both ranks pass that step through unguarded (one failure each);
     the last two: the step is judged, rank 1 counts one output failure. Every rank trains every step, none raises,
     within the collectives' 60 s timeout."""
