@@ -74,6 +74,8 @@ def summary_lines(guard: RolloutGuard, directory: str | Path | None = None) -> l
                      "those steps were judged: see the warnings above)")
     if totals.steps_over_ceiling:
         lines.append(f"  steps over max_quarantine_share: {totals.steps_over_ceiling} (metric over_ceiling)")
+    if totals.skipped_optimizer_steps:
+        lines.append(f"  optimizer steps skipped: {totals.skipped_optimizer_steps} (every row behind them quarantined)")
     if totals.stopped:
         lines.append("  STOPPED by the circuit breaker: summary.json 'stopped' says why")
     if totals.would_have_stopped:

@@ -110,7 +110,7 @@ def _worse(first: dict[str, float], second: dict[str, float]) -> dict[str, float
 
 _COUNTERS = ("steps", "rollouts", "suspect", "quarantined", "injected", "caught", "false_alarms", "labelled_steps",
              "failures", "consecutive_failures", "output_failures", "steps_above_ceiling", "steps_over_ceiling",
-             "history_stride")
+             "history_stride", "skipped_optimizer_steps")
 
 
 @dataclass
@@ -132,6 +132,9 @@ class GuardTotals:
     output_failures: int = 0
     steps_above_ceiling: int = 0  # consecutive steps above max_quarantine_share, for the circuit breaker
     steps_over_ceiling: int = 0  # every step above max_quarantine_share in the run (the metric over_ceiling sums to it)
+    # optimizer steps not taken because every row of every micro-batch behind them was quarantined (an integration
+    # that can skip them counts them here)
+    skipped_optimizer_steps: int = 0
     rule_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     # compact rows for charts, at most HISTORY_ROWS: one per step until full, then each the worst step (most suspect,
     # then largest max |Δ|) of ``span`` consecutive steps, at most ``history_stride`` (add_history)
@@ -499,6 +502,8 @@ class RolloutGuard:
                            false_alarms=totals.false_alarms)
         if self.config.max_quarantine_share is not None:
             summary["steps_over_ceiling"] = totals.steps_over_ceiling
+        if totals.skipped_optimizer_steps:
+            summary["skipped_optimizer_steps"] = totals.skipped_optimizer_steps
         if totals.stopped:
             summary["stopped"] = totals.stopped
         if totals.would_have_stopped:

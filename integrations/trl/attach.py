@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ logger = logging.getLogger("rollout_guard")
 REPLICA_CHECK = 1  # TRL's advantages differ from the guard's replica of them on this process
 SUPPORT_CHECK = 2  # the trainer's log-mass of the engine's support could not be computed on this process
 OUTPUT_CHECK = 4  # strict mode: writing this process's outputs (records, decoding, sinks) failed since the last step
+ONE_SIDED_CHECK = 8  # the setup promises engine and trainer logprobs, and this process's batch lacks one of them
 
 # Copied into TRL's own metrics, which TRL averages over each logging window: hence the prefix, so that nobody takes
 # them for the true per-step `rollout_guard/*` values (metrics.jsonl, the W&B and trackio sinks).
@@ -136,6 +138,7 @@ class TrlGuard:
         self.trl_trainer_logprobs = trl_computes_trainer_logprobs(trainer)
         self.extra_forward = self.has_engine and not self.trl_trainer_logprobs and self.config.compute_trainer_logprobs
         two_sided = self.has_engine and (self.trl_trainer_logprobs or self.extra_forward)
+        self.two_sided = two_sided  # engine and trainer logprobs expected in every batch (checked each step)
         self.nothing_to_check = not self.has_engine and not self.trl_trainer_logprobs
         # Truncated rows TRL masks out (mask_truncated_completions): judged on their engine logprobs, with correct
         # trainer logprobs from the pass that has them (TRL's are computed under a zero mask: see _collect_evidence).
@@ -150,6 +153,10 @@ class TrlGuard:
         self._support_mass: torch.Tensor | None = None  # (B, K) of TRL's own pass this step
         # rows, tokens, seconds of the latest truncated-row pass
         self.last_truncated_pass: dict[str, float] | None = None
+        # every row of the latest generation batch quarantined (from the gathered verdict: the same on every
+        # process), and that flag for each micro-batch the loss has seen since the last optimizer step
+        self._empty_batch = False
+        self._micro_batches: list[bool] = []
 
         self._original_generate_and_score = trainer._generate_and_score_completions
         self._original_calculate_rewards = trainer._calculate_rewards
@@ -157,6 +164,9 @@ class TrlGuard:
         trainer._generate_and_score_completions = self._generate_and_score_completions
         trainer._calculate_rewards = self._calculate_rewards
         trainer._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
+        if hasattr(trainer, "_prepare_inputs"):
+            self._original_prepare_inputs = trainer._prepare_inputs
+            trainer._prepare_inputs = self._prepare_inputs
         if self.judges_truncated and hasattr(trainer, "_generate"):
             self._original_generate = trainer._generate
             trainer._generate = self._generate
@@ -211,8 +221,32 @@ class TrlGuard:
         self._generated = (output[1], output[2]) if isinstance(output, tuple) and len(output) > 2 else None
         return output
 
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's ``_prepare_inputs`` (one micro-batch of the loss); notes whether it comes from a generation batch
+        whose every row was quarantined."""
+        inputs = self._original_prepare_inputs(generation_batch)
+        if self.trainer.model.training:
+            self._micro_batches.append(self._empty_batch)
+        return inputs
+
+    def skip_empty_optimizer_step(self, step: int) -> bool:
+        """Whether the optimizer step about to be taken (TRL's 1-based ``step``) has only quarantined rows behind
+        it: every micro-batch accumulated since the last optimizer step came from a generation batch whose every row
+        was quarantined (the gathered verdict, so the same answer on every process). Then the step is counted
+        (``skipped_optimizer_steps``) and logged; the caller skips it. Forgets the micro-batches either way."""
+        empty = bool(self._micro_batches) and all(self._micro_batches)
+        self._micro_batches = []
+        if empty:
+            totals = self.guard.totals
+            totals.skipped_optimizer_steps += 1
+            logger.warning("rollout_guard: every row behind optimizer step %s was quarantined; the optimizer step is "
+                           "skipped (no momentum or weight decay applied on a zero gradient). Skipped so far: %s",
+                           step, totals.skipped_optimizer_steps)
+        return empty
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._rewards_per_func = None
+        self._empty_batch = False
         self._engine_step = None
         if self.engine_context is not None:
             self.engine_context.begin_step()
@@ -302,14 +336,25 @@ class TrlGuard:
         records: list = []
         replica_failed: torch.Tensor | bool = False
         support_failed = False
-        truncated = self._truncated()
+        # host work before a collective fails here without leaving that collective: its error travels in the step's
+        # gather (raised as this process's evidence below), and every process skips or raises together
+        truncated_error: BaseException | None = None
+        try:
+            truncated = self._truncated()
+        except Exception as error:  # noqa: BLE001 - still join the truncated-row pass and the gathers
+            truncated, truncated_error = ([], [], None), error
         forward_rows = self._forward_rows(len(truncated[0]))
+        loss_tokens: torch.Tensor | None = None
         # the writer's failures since the last look, once a step, before the gather: a strict one travels in it
         # (OUTPUT_CHECK)
         self._writer_failures()
         output_failed = self._output_failure is not None
         try:
             evidence: RolloutEvidence | BaseException = self._collect_evidence(batch, truncated, forward_rows)
+            if truncated_error is not None:  # raised after the forward passes, which every process runs
+                raise truncated_error
+            if self.judges_truncated:
+                loss_tokens = self._local_loss_tokens(batch)
             support_failed = self.support is not None and self.support.error is not None
             if support_failed:  # this step's trainer logprobs are off the support here only: no process judges it
                 raise GuardError(f"computing the trainer's log-mass of the engine's support (compare_on_engine_support)"
@@ -323,6 +368,9 @@ class TrlGuard:
         self.last_evidence = evidence if isinstance(evidence, RolloutEvidence) else None
         # The 1-based training step (as TRL logs it) whose update first uses these rollouts.
         flags = SUPPORT_CHECK if support_failed else replica_failed
+        if self.two_sided and self.last_evidence is not None and not (
+                self.last_evidence.engine_logprobs is not None and self.last_evidence.trainer_logprobs is not None):
+            flags = flags + ONE_SIDED_CHECK
         report = self.guard.inspect(evidence, step=trainer.state.global_step + 1, batch_size=self.local_rows(),
                                     check_failed=flags + OUTPUT_CHECK if output_failed else flags,
                                     sampling=self._comparison(trainer), row_extras=self._correction_rows(batch))
@@ -334,6 +382,8 @@ class TrlGuard:
             report.engine_context = self._engine_step  # what the sinks join to this step's rows, off this thread
         if report.flagged_on(SUPPORT_CHECK):
             self._stop_comparing_on_support(report)
+        if self.two_sided:
+            self._check_two_sided(report)
         guarded = batch
         if not report.skipped:
             self._outcome_metrics(batch, report, rewards)
@@ -341,11 +391,15 @@ class TrlGuard:
                 self._replica_mismatch(report)  # raises on every process in quarantine mode
             if report.any_quarantined:
                 try:
-                    guarded = quarantine_batch(batch, report, rewards, self.settings, self._loss_tokens(batch))
+                    guarded = quarantine_batch(batch, report, rewards, self.settings,
+                                               self._loss_tokens(loss_tokens))
                 except Exception as error:  # checked inputs, identical verdict: no process may go on alone
                     raise GuardError(f"rollout_guard could not quarantine the samples of step {report.step} after "
                                      f"checking its inputs ({type(error).__name__}: {error}); stopping rather than "
                                      "training this process unguarded") from error
+            if self.config.quarantines:
+                self._empty_batch = bool(report.quarantined.all())
+                report.metrics["empty_batch"] = float(self._empty_batch)
             if report.metrics["suspect"] > 0:
                 records = self._publish_records(guarded, report, evidence, rewards, batch.get("advantages"))
         # the adapter's whole cost this step, up to handing the sinks' work to the writer (which is then cheap)
@@ -410,6 +464,22 @@ class TrlGuard:
             report.alerts.append(alert)
         self._say_once("replica-monitor", f"rollout_guard: {message}; monitor mode: training goes on")
 
+    def _check_two_sided(self, report: StepReport) -> None:
+        """Metric ``two_sided`` (1: every process's batch had engine and trainer logprobs; 0: some process judged on
+        non-finite values only) and, when 0, an error alert naming the processes (``ONE_SIDED_CHECK`` in the
+        step's gather: the same on every process)."""
+        ranks = report.flagged_on(ONE_SIDED_CHECK)
+        report.metrics["two_sided"] = 0.0 if ranks else 1.0
+        if not ranks:
+            return
+        message = (f"the batch of step {report.step} on process(es) {ranks} lacked the engine's or the trainer's "
+                   "logprobs although this setup compares both; those rollouts were checked for non-finite values "
+                   "only (metric two_sided 0 on every such step)")
+        alert = self.guard.alerts.error("one_sided", report.step, float(len(ranks)), 0.0,
+                                        f"rollout_guard: step {report.step} judged one-sided", message)
+        if alert is not None:
+            report.alerts.append(alert)
+
     def _stop(self, report: StepReport) -> None:
         """The circuit breaker tripped (quarantine mode): stop after this step (``"stop"``: :meth:`close` raises at the
         end of training), or raise now, once everything is written (``"raise"``)."""
@@ -429,24 +499,30 @@ class TrlGuard:
             records = build_records(self.trainer, self.config, self.guard.process_index, batch, report, evidence,
                                     rewards,
                                     advantages_before, full_rows=full_rows, decode=False)
+            add_context_to_records(records, self._engine_step)
         except Exception as error:
             self._failure("writing evidence records", error)
             records = []
-        add_context_to_records(records, self._engine_step)
         # every process calls this on the same steps (metrics are identical on all ranks)
         return self._gather_to_main(records)
 
     def _gather_to_main(self, records: list) -> list:
         """The records of all processes, in rank order, on the main process only (one ``gather_object`` to rank 0,
-        not to every rank); a single process makes no collective call."""
+        not to every rank); a single process makes no collective call. The records are pickled before the gather: a
+        process whose records cannot be pickled sends none (an output failure there) and still joins it."""
         world = self.trainer.accelerator.num_processes
         if world == 1:
             return records
         import torch.distributed as dist
 
+        try:
+            payload = pickle.dumps(records)
+        except Exception as error:  # noqa: BLE001 - still join the gather
+            self._failure("sending evidence records to the main process", error)
+            payload = pickle.dumps([])
         parts: list | None = [None] * world if self.is_main_process else None
-        dist.gather_object(records, parts, dst=0)
-        return [record for part in parts for record in part] if parts is not None else []
+        dist.gather_object(payload, parts, dst=0)
+        return [record for part in parts for record in pickle.loads(part)] if parts is not None else []
 
     def _decode(self, records: list) -> None:
         """Decode the records' tokens (main process), on the background writer before the sinks see them. The
@@ -535,11 +611,16 @@ class TrlGuard:
             return local
         return int(accelerator.gather(torch.tensor([local], device=accelerator.device)).max())
 
-    def _loss_tokens(self, batch: dict[str, Any]) -> torch.Tensor | None:
-        """Loss tokens of every row of the gathered batch, when the judged mask is not the loss mask (None: it is)."""
-        if not self.judges_truncated:
+    def _local_loss_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Loss tokens of each of this process's rows: the host work of :meth:`_loss_tokens`, done before the step's
+        gather so that a failure here travels in it."""
+        return loss_mask_of(batch).sum(dim=1).to(torch.float64 if self.guard.device.type != "mps" else torch.float32)
+
+    def _loss_tokens(self, tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """Loss tokens of every row of the gathered batch from each process's :meth:`_local_loss_tokens`, when the
+        judged mask is not the loss mask (None: it is, or ``tokens`` is None)."""
+        if tokens is None:
             return None
-        tokens = loss_mask_of(batch).sum(dim=1).to(torch.float64 if self.guard.device.type != "mps" else torch.float32)
         accelerator = self.trainer.accelerator
         return accelerator.gather(tokens.to(accelerator.device)) if accelerator.num_processes > 1 else tokens
 
@@ -606,8 +687,12 @@ class TrlGuard:
 
     def load_state(self, checkpoint_dir: str | Path) -> bool:
         """Restore the guard's state from a TRL checkpoint; the local files drop what the run wrote after that
-        checkpoint (those steps run again), so a resumed run has one line per step."""
-        state = checkpoint_state.load_state(self.guard, checkpoint_dir)
+        checkpoint (those steps run again), so a resumed run has one line per step. With several processes every
+        one loads the main process's state (:meth:`_main_process_state`), so all resume in step."""
+        state = self._main_process_state(checkpoint_dir) if self.trainer.accelerator.num_processes > 1 else None
+        if self.trainer.accelerator.num_processes > 1 and state is None:
+            return False
+        state = checkpoint_state.load_state(self.guard, checkpoint_dir, state)
         if state is None:
             return False
         step = checkpoint_state.saved_step(state)
@@ -618,6 +703,26 @@ class TrlGuard:
             except Exception as error:
                 self._failure(f"{type(sink).__name__}.on_resume", error)
         return True
+
+    def _main_process_state(self, checkpoint_dir: str | Path) -> dict | None:
+        """The state the main process reads from its ``checkpoint_dir``, on every process (one
+        ``broadcast_object_list`` from rank 0): only the main process writes it, and other nodes may not share its
+        filesystem. A failure to read it there raises on every process."""
+        import torch.distributed as dist
+
+        payload: tuple[str, Any] | None = None
+        if self.is_main_process:
+            try:
+                payload = ("state", checkpoint_state.read_state(checkpoint_dir))
+            except Exception as error:  # noqa: BLE001 - every process must raise, not the main one alone
+                payload = ("error", f"{type(error).__name__}: {error}")
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise GuardError(f"rollout_guard: reading the guard's state from the main process's checkpoint "
+                             f"{checkpoint_dir} failed ({value}); stopping every process")
+        return value
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -668,6 +773,19 @@ def _without_gradient_checkpointing(trainer: Any) -> Any:
     return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
 
 
+def _skip_next_step(optimizer: Any) -> None:
+    """Make the optimizer's next ``step()`` call a no-op (parameters and optimizer state untouched), once."""
+    own = optimizer.__dict__.get("step")
+
+    def skipped(*args: Any, **kwargs: Any) -> None:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own
+
+    optimizer.step = skipped
+
+
 class _GuardCallback(TrainerCallback):
     def __init__(self, guarded: TrlGuard) -> None:
         self.guarded = guarded
@@ -675,6 +793,11 @@ class _GuardCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
         if self.guarded.stop_reason is not None:
             control.should_training_stop = True
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
+        if self.guarded.skip_empty_optimizer_step(state.global_step + 1):
+            _skip_next_step(self.guarded.trainer.optimizer)
         return control
 
     def on_save(self, args, state, control, **kwargs):  # noqa: ANN001

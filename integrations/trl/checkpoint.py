@@ -29,15 +29,23 @@ def save_state(guard: RolloutGuard, checkpoint_dir: str | Path, global_step: int
     return path
 
 
-def load_state(guard: RolloutGuard, checkpoint_dir: str | Path) -> dict | None:
-    """Restore the guard's state from a checkpoint folder; returns the state read, or None when there is none."""
+def read_state(checkpoint_dir: str | Path) -> dict | None:
+    """The guard's state saved in a checkpoint folder, or None (logged) when the folder has none."""
     path = Path(checkpoint_dir) / STATE_FILE
     if not path.is_file():
         logger.warning("rollout_guard: %s has no %s; the guard starts from fresh totals", checkpoint_dir, STATE_FILE)
         return None
-    state = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def load_state(guard: RolloutGuard, checkpoint_dir: str | Path, state: dict | None = None) -> dict | None:
+    """Restore the guard's state from a checkpoint folder (or ``state``, already read from one); returns the state,
+    or None when there is none."""
+    state = read_state(checkpoint_dir) if state is None else state
+    if state is None:
+        return None
     guard.load_state_dict(state)
-    logger.info("rollout_guard: restored state from %s (%s steps so far)", path, guard.totals.steps)
+    logger.info("rollout_guard: restored state from %s (%s steps so far)", checkpoint_dir, guard.totals.steps)
     return state
 
 
