@@ -178,3 +178,19 @@ def test_committed_raw_logprobs_come_from_the_engines_own_context():
         batch = to_padded(part)
         mask = batch["mask"].bool()
         assert (batch["engine"][mask] - batch["engine_raw"][mask]).abs().max() < 1.0
+
+
+def test_every_data_file_matches_the_manifest():
+    """MANIFEST.json names every data file with its size, sha256 and how it was made; a changed or unlisted file
+    fails here."""
+    import hashlib
+    import json
+
+    root = Path(__file__).resolve().parents[1] / "fidelity_data"
+    manifest = json.loads((root / "MANIFEST.json").read_text())
+    present = {path.name for path in root.glob("*.parquet")} | {"stdlib_bpe8k.json"}
+    assert set(manifest) == present
+    for name, entry in manifest.items():
+        data = (root / name).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["bytes"], entry["sha256"]), name
+        assert entry["made_by"], name
