@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from rollout_guard.sinks import Sink
+from rollout_guard.outputs.sinks import Sink
 
 
 # -- a real tokenizer, built here ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rollout_guard import GuardConfig, QuarantineRecord, RolloutEvidence, RolloutGuard
-from rollout_guard.sinks import LocalFilesSink
+from rollout_guard.outputs.sinks import LocalFilesSink
 
 
 def record(step: int) -> QuarantineRecord:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
     from rollout_guard.integrations.trl import attach_guard, default_sinks, inject_stale_context
     from rollout_guard.integrations.vllm_cpu import enable_trl_colocate_on_vllm_cpu
-    from rollout_guard.sinks import StepTableSink
+    from rollout_guard.outputs.sinks import StepTableSink
 
     console = Console()
     for previous in ("rollout_guard", "trainer", "wandb", "summary.json"):  # this demo's own earlier output

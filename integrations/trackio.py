@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from rollout_guard.extras import require_extra
 from rollout_guard.guard import RolloutGuard, StepReport
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.sinks import Sink, finite_metrics
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.sinks import Sink, finite_metrics
 
 PREFIX = "rollout_guard/"
-INTERNAL_PREFIX = "rollout_guard_internal/"  # how the guard works (rollout_guard.sinks.INTERNAL_METRICS): own section
+INTERNAL_PREFIX = "rollout_guard_internal/"  # how the guard works (rollout_guard.outputs.sinks.INTERNAL_METRICS): own section
 
 
 class TrackioSink(Sink):

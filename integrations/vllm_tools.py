@@ -33,8 +33,8 @@ from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.injection import choose_rows, plan_injection
 from rollout_guard.integrations.rescoring import rescore
 from rollout_guard.patterns import Pattern, abs_delta, classify_pattern
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.sinks import LocalFilesSink
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.sinks import LocalFilesSink
 from rollout_guard.statistics import SAMPLE_COLUMNS
 from rollout_guard.verdict import explain, rule_names
 
@@ -463,7 +463,7 @@ def replay_pattern(record: QuarantineRecord, trainer: Sequence[float],
 def judge_one(engine_logprobs: Sequence[float | None], trainer_logprobs: Sequence[float | None], step: int,
               config: GuardConfig, state: dict | None = None) -> StepReport:
     """One row judged as training judged its step: against ``state``, the run's detector state that step was judged
-    against (``rollout_guard.sinks.read_detector_states``), or, without it, the detector's prior. The row's own
+    against (``rollout_guard.outputs.sinks.read_detector_states``), or, without it, the detector's prior. The row's own
     tokens do not join the noise (one record shows no noise of its own)."""
     guard = RolloutGuard(config)
     if state is not None:

@@ -21,17 +21,17 @@ from rollout_guard.extras import require_extra
 require_extra("rollout_guard.integrations.wandb", ("wandb", "numpy", "matplotlib"), "wandb")
 import numpy as np
 
-from rollout_guard.charts import spike_chart, token_chart
+from rollout_guard.outputs.charts import spike_chart, token_chart
 from rollout_guard.config import GuardConfig
 from rollout_guard.guard import RolloutGuard, StepReport
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.sinks import Sink, finite_metrics
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.sinks import Sink, finite_metrics
 from rollout_guard.statistics import DELTA_BIN_EDGES
 
 logger = logging.getLogger("rollout_guard")
 
 PREFIX = "rollout_guard/"
-INTERNAL_PREFIX = "rollout_guard_internal/"  # how the guard works (rollout_guard.sinks.INTERNAL_METRICS): own section
+INTERNAL_PREFIX = "rollout_guard_internal/"  # how the guard works (rollout_guard.outputs.sinks.INTERNAL_METRICS): own section
 TABLE_COLUMNS = [
     "step", "rollout", "action", "why", "rules", "score", "prompt", "completion", "reward", "max_abs_delta",
     "mean_abs_delta", "onset_token", "onset_text", "engine_mean_logprob", "trainer_mean_logprob", "injected",

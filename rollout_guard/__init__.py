@@ -5,14 +5,14 @@ trl or vllm; it needs torch only); framework adapters live in ``rollout_guard.in
 """
 
 from rollout_guard.config import GuardConfig
-from rollout_guard.console import ConsoleSink
+from rollout_guard.outputs.console import ConsoleSink
 from rollout_guard.errors import CircuitBreakerTripped, GuardConfigError, GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.extras import MissingExtraError
 from rollout_guard.guard import RolloutGuard, StepReport
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.sinks import LocalFilesSink, Sink
-from rollout_guard.store import QuarantineStore, read_records
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.sinks import LocalFilesSink, Sink
+from rollout_guard.outputs.store import QuarantineStore, read_records
 
 __all__ = [
     "CircuitBreakerTripped", "ConsoleSink", "GuardConfig", "GuardConfigError", "GuardError", "GuardInputError",

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rollout_guard.alerts import Alert, AlertMonitor  # noqa: F401 - Alert is part of StepReport
+from rollout_guard.outputs.alerts import Alert, AlertMonitor  # noqa: F401 - Alert is part of StepReport
 from rollout_guard.config import GuardConfig
 from rollout_guard.detector import GROWTH_ALERT, Detector
 from rollout_guard.detector.noise import NUM_BINS
@@ -161,7 +161,7 @@ class GuardTotals:
         """Append one step's row: merged into the last row while that covers fewer than ``history_stride`` steps,
         and the whole history halved (neighbouring rows merged, the stride doubled) when it reaches
         ``HISTORY_ROWS``. New row objects throughout, never an edit of one in the list: a copy of the list taken
-        earlier (:func:`rollout_guard.writer.guard_snapshot`) stays as it was."""
+        earlier (:func:`rollout_guard.outputs.writer.guard_snapshot`) stays as it was."""
         history = self.history
         if history and history[-1].get("span", 1) < self.history_stride:
             history[-1] = _worse(history[-1], row)

@@ -1,6 +1,6 @@
 import math
 
-from rollout_guard.alerts import AlertMonitor
+from rollout_guard.outputs.alerts import AlertMonitor
 from rollout_guard.config import GuardConfig
 
 

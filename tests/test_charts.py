@@ -1,7 +1,7 @@
 import matplotlib.image
 
-from rollout_guard.charts import delta_heatmap, spike_chart, token_chart
-from rollout_guard.records import QuarantineRecord
+from rollout_guard.outputs.charts import delta_heatmap, spike_chart, token_chart
+from rollout_guard.outputs.records import QuarantineRecord
 from rollout_guard.statistics import DELTA_BIN_EDGES, NUM_DELTA_BINS
 
 

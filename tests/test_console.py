@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-import rollout_guard.console
+import rollout_guard.outputs.console
 import rollout_guard.extras
 from rollout_guard.config import GuardConfig
-from rollout_guard.console import ConsoleSink, summary_lines
+from rollout_guard.outputs.console import ConsoleSink, summary_lines
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
 
@@ -25,7 +25,7 @@ def evidence(corrupt_rows: int) -> RolloutEvidence:
     return RolloutEvidence(mask=torch.ones(8, 5, dtype=torch.long), engine_logprobs=engine, trainer_logprobs=trainer)
 
 
-@pytest.mark.parametrize("module", [rollout_guard.console, rollout_guard.extras])
+@pytest.mark.parametrize("module", [rollout_guard.outputs.console, rollout_guard.extras])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
 
@@ -68,7 +68,7 @@ def test_summary_in_monitor_mode_and_without_steps():
 PLAIN_SCRIPT = """
 import torch
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
-from rollout_guard.console import ConsoleSink
+from rollout_guard.outputs.console import ConsoleSink
 
 guard, sink = RolloutGuard(GuardConfig(ceiling_delta=8.0)), ConsoleSink("runs/x/rollout_guard")
 engine = torch.full((8, 5), -0.05)

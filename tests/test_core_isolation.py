@@ -4,7 +4,7 @@ import sys
 
 def test_core_imports_neither_trl_nor_vllm():
     code = (
-        "import sys, rollout_guard, rollout_guard.sinks, rollout_guard.charts, rollout_guard.injection, rollout_guard.action\n"
+        "import sys, rollout_guard, rollout_guard.outputs.sinks, rollout_guard.outputs.charts, rollout_guard.injection, rollout_guard.action\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('trl', 'vllm'))\n"
         "assert not bad, bad\n"
         "print('ok')"

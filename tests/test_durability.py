@@ -13,9 +13,9 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
 from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state, saved_step
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.sinks import LocalFilesSink
-from rollout_guard.store import QuarantineStore, read_records
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.sinks import LocalFilesSink
+from rollout_guard.outputs.store import QuarantineStore, read_records
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_guard.engine_view import engine_history, engine_summary, sample_rows
+from rollout_guard.outputs.engine_view import engine_history, engine_summary, sample_rows
 from rollout_guard.integrations.vllm_context import (
     IterationLog, completion_fingerprint, parse_prometheus, rollout_contexts, server_settings, server_step_context, window_stats,
 )
@@ -110,7 +110,7 @@ def test_history_and_sample_rows_keep_missing_as_missing():
 
 
 def test_charts_draw_with_and_without_engine_stats(tmp_path):
-    from rollout_guard.charts import engine_chart, engine_samples_chart
+    from rollout_guard.outputs.charts import engine_chart, engine_samples_chart
 
     full = [{"step": s, "max_abs_delta": 0.01 if s < 3 else 12.0, "quarantined_share": 0.0 if s < 3 else 0.5,
              "engine/kv_cache_usage_max": 0.01 * s, "engine/kv_cache_usage_mean": 0.005 * s, "engine/running_requests_max": 16.0,
@@ -157,7 +157,7 @@ def test_keeping_only_the_read_families_changes_nothing(scrapes):
 def test_engine_sink_writes_rows_and_survives_a_resume(tmp_path):
     import torch
 
-    from rollout_guard.engine_view import EngineContextSink, read_jsonl
+    from rollout_guard.outputs.engine_view import EngineContextSink, read_jsonl
     from rollout_guard.statistics import SAMPLE_COLUMNS
 
     step_context = SimpleNamespace(rows=[{"weight_version": 1, "kv_cache_usage_max": 0.5}, None], injected=[False, True])
@@ -189,9 +189,9 @@ def test_engine_sink_joins_a_lagging_step_to_its_own_context(tmp_path):
 
     import torch
 
-    from rollout_guard.engine_view import EngineContextSink, read_jsonl
+    from rollout_guard.outputs.engine_view import EngineContextSink, read_jsonl
     from rollout_guard.statistics import SAMPLE_COLUMNS
-    from rollout_guard.writer import BackgroundWriter
+    from rollout_guard.outputs.writer import BackgroundWriter
 
     sink = EngineContextSink(tmp_path, chart_every_steps=100)
     writer = BackgroundWriter()

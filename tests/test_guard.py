@@ -364,7 +364,7 @@ def test_the_history_stays_bounded_over_a_long_run_and_keeps_its_worst_steps():
 
 def test_a_snapshot_of_the_history_is_not_changed_by_later_steps():
     from rollout_guard.guard import HISTORY_ROWS
-    from rollout_guard.writer import guard_snapshot
+    from rollout_guard.outputs.writer import guard_snapshot
 
     guard = RolloutGuard(GuardConfig())
     guard.totals.history_stride = 4  # rows merge: the last row is replaced, never edited in place

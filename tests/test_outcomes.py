@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rollout_guard.config import GuardConfig
-from rollout_guard.console import ConsoleSink, summary_lines
+from rollout_guard.outputs.console import ConsoleSink, summary_lines
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import GuardTotals, RolloutGuard
 from rollout_guard.outcomes import IS_MODES, is_correction_metrics, is_correction_rows, reward_metrics
-from rollout_guard.report import build_report
-from rollout_guard.sinks import LocalFilesSink
+from rollout_guard.outputs.report import build_report
+from rollout_guard.outputs.sinks import LocalFilesSink
 
 
 def trl_ratio(old, sampling, mask, mode, clip_min, clip_max):

@@ -86,8 +86,8 @@ import logging, sys, tempfile
 import torch
 import rollout_guard
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
-from rollout_guard.console import ConsoleSink
-from rollout_guard.sinks import LocalFilesSink
+from rollout_guard.outputs.console import ConsoleSink
+from rollout_guard.outputs.sinks import LocalFilesSink
 from rollout_guard.extras import MissingExtraError
 
 out = tempfile.mkdtemp()
@@ -101,7 +101,7 @@ for sink in sinks:
     sink.on_step(report, guard)
 for sink in sinks:
     sink.on_end(guard)
-for module in ("rollout_guard.integrations.trl", "rollout_guard.charts", "rollout_guard.integrations.wandb"):
+for module in ("rollout_guard.integrations.trl", "rollout_guard.outputs.charts", "rollout_guard.integrations.wandb"):
     try:
         __import__(module)
     except MissingExtraError as error:

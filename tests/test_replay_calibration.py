@@ -11,7 +11,7 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
 from rollout_guard.integrations.vllm_tools import judge_one
-from rollout_guard.sinks import LocalFilesSink, read_detector_states
+from rollout_guard.outputs.sinks import LocalFilesSink, read_detector_states
 
 
 def healthy(generator: torch.Generator, rows: int = 16, tokens: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,9 +8,9 @@ import torch
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.report import build_report
-from rollout_guard.sinks import LocalFilesSink
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.report import build_report
+from rollout_guard.outputs.sinks import LocalFilesSink
 
 
 def fill_run(directory):
@@ -108,8 +108,8 @@ def _statistics_only(step: int, row: int) -> QuarantineRecord:
 def test_records_without_tokens_are_tabled_but_not_drawn(tmp_path):
     """Records beyond evidence_samples_per_step carry statistics only; the report tables them (marked) and
     draws token charts from full records only, even when a statistics-only one has the larger |Δ|."""
-    from rollout_guard.report import STATISTICS_ONLY
-    from rollout_guard.store import QuarantineStore
+    from rollout_guard.outputs.report import STATISTICS_ONLY
+    from rollout_guard.outputs.store import QuarantineStore
 
     fill_run(tmp_path)
     QuarantineStore(tmp_path / "quarantine").append([_statistics_only(3, 1)])
@@ -123,7 +123,7 @@ def test_replay_refuses_a_store_of_statistics_only_records(tmp_path):
     from typer.testing import CliRunner
 
     from rollout_guard.cli import app
-    from rollout_guard.store import QuarantineStore
+    from rollout_guard.outputs.store import QuarantineStore
 
     QuarantineStore(tmp_path / "store").append([_statistics_only(1, 0), _statistics_only(1, 3)])
     result = CliRunner().invoke(app, ["replay", str(tmp_path / "store")])

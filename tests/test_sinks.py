@@ -6,7 +6,7 @@ import torch
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
-from rollout_guard.sinks import LocalFilesSink, StepTableSink
+from rollout_guard.outputs.sinks import LocalFilesSink, StepTableSink
 
 
 def evidence(corrupt: bool) -> RolloutEvidence:

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.store import QuarantineStore, read_records, store_files
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.store import QuarantineStore, read_records, store_files
 
 
 def record(step: int, row: int = 0) -> QuarantineRecord:

@@ -10,18 +10,18 @@ import sys
 import time
 import warnings
 
-from rollout_guard.store import QuarantineStore, read_records, store_files
+from rollout_guard.outputs.store import QuarantineStore, read_records, store_files
 
 WRITER = r"""
 import os, sys, time
-from rollout_guard.records import QuarantineRecord
+from rollout_guard.outputs.records import QuarantineRecord
 
 # A slow disk: every write() moves at most 4 KiB and takes 5 ms, as short writes on a slow disk may. The store must
 # loop over short writes; writing then dominates the cycle and most kills land mid-record, which is what this test
 # is about.
 _write = os.write
 os.write = lambda fd, data: (time.sleep(0.005), _write(fd, bytes(data[:4096])))[1]
-from rollout_guard.store import QuarantineStore
+from rollout_guard.outputs.store import QuarantineStore
 
 directory, start = sys.argv[1], int(sys.argv[2])
 store = QuarantineStore(directory, max_file_bytes=400_000)

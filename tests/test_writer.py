@@ -12,7 +12,7 @@ import torch
 from rollout_guard.selection import severity_rank, worst_suspects
 from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
 from rollout_guard.verdict import RULE_BIT, RULES
-from rollout_guard.writer import BackgroundWriter
+from rollout_guard.outputs.writer import BackgroundWriter
 
 
 def test_tasks_run_in_the_order_submitted():

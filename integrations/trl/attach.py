@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rollout_guard.config import GuardConfig
-from rollout_guard.console import ConsoleSink
+from rollout_guard.outputs.console import ConsoleSink
 from rollout_guard.errors import CircuitBreakerTripped, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
@@ -36,8 +36,8 @@ from rollout_guard.integrations.trl.sampling import processed_logprobs_warning, 
 from rollout_guard.integrations.trl.support import SupportCapture, describe, support_settings
 from rollout_guard.integrations.trl_versions import describe_trl, warn_if_unsupported
 from rollout_guard.selection import worst_suspects
-from rollout_guard.sinks import LocalFilesSink, Sink
-from rollout_guard.writer import BackgroundWriter, guard_snapshot
+from rollout_guard.outputs.sinks import LocalFilesSink, Sink
+from rollout_guard.outputs.writer import BackgroundWriter, guard_snapshot
 
 logger = logging.getLogger("rollout_guard")
 
@@ -81,7 +81,7 @@ class TrlGuard:
                              "attach_guard(trainer, GuardConfig(mode='monitor'))")
         if sinks is not None and not (isinstance(sinks, (list, tuple)) and all(isinstance(s, Sink) for s in sinks)):
             raise GuardError(f"attach_guard(trainer, sinks={sinks!r}): sinks must be a list of "
-                             "rollout_guard.sinks.Sink subclasses, e.g. [LocalFilesSink(folder, config)], or None for "
+                             "rollout_guard.outputs.sinks.Sink subclasses, e.g. [LocalFilesSink(folder, config)], or None for "
                              "the defaults")
         if not isinstance(keep_steps, bool):
             raise GuardError(f"attach_guard(trainer, keep_steps={keep_steps!r}): use True or False")
@@ -109,7 +109,7 @@ class TrlGuard:
         if sinks is None:
             sinks = default_sinks(trainer.args.report_to, self.config, self.output_dir) if self.is_main_process else []
             if self.is_main_process and self.engine_context is not None:
-                from rollout_guard.engine_view import EngineContextSink
+                from rollout_guard.outputs.engine_view import EngineContextSink
 
                 report_to = trainer.args.report_to
                 sinks.append(EngineContextSink(self.output_dir, self.config.chart_every_steps,

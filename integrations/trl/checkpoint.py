@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from rollout_guard.guard import RolloutGuard
-from rollout_guard.store import fsync_directory
+from rollout_guard.outputs.store import fsync_directory
 
 logger = logging.getLogger("rollout_guard")
 

@@ -1,4 +1,4 @@
-"""Evidence records: a :class:`~rollout_guard.records.QuarantineRecord` for each suspect sample of a TRL batch."""
+"""Evidence records: a :class:`~rollout_guard.outputs.records.QuarantineRecord` for each suspect sample of a TRL batch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import StepReport
 from rollout_guard.integrations.trl.batch import require
 from rollout_guard.integrations.trl_versions import version, vllm_version
-from rollout_guard.records import QuarantineRecord
+from rollout_guard.outputs.records import QuarantineRecord
 from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
 from rollout_guard.verdict import explain, rule_names
 

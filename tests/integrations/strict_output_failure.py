@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rollout_guard.sinks import Sink
+from rollout_guard.outputs.sinks import Sink
 
 STEPS = 4
 

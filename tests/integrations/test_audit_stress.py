@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, random_letters
-from rollout_guard.records import QuarantineRecord
-from rollout_guard.store import read_records
+from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.store import read_records
 
 CLEAN_NOISE = 0.5  # nats: bf16 engine vs fp32 transformers on clean Mamba2 rollouts (0.24–0.44 seen)
 STRESS = ["--stress", "--dtype", "bfloat16", "--trainer-dtype", "float32", "--max-tokens", "12", "--rounds", "2"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, random_letters
-from rollout_guard.store import read_records
+from rollout_guard.outputs.store import read_records
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_trl_e2e import run_scenario
 
-from rollout_guard.engine_view import SAMPLES_FILE, engine_history, read_jsonl, sample_rows
+from rollout_guard.outputs.engine_view import SAMPLES_FILE, engine_history, read_jsonl, sample_rows
 from rollout_guard.integrations.vllm_context import completion_fingerprint
-from rollout_guard.store import read_records
+from rollout_guard.outputs.store import read_records
 
 AFTER_SYNCS = 3  # the scenario's gate (grpo_scenario.SCENARIOS["engine_state"])
 STEPS = 5
@@ -105,7 +105,7 @@ def test_the_cost_of_the_context_is_recorded_every_step(engine_run):
 
 
 def test_report_shows_the_engine_context(engine_run, tmp_path):
-    from rollout_guard.report import build_report
+    from rollout_guard.outputs.report import build_report
 
     page = build_report(engine_run["guard_dir"], tmp_path / "report.html").read_text()
     assert "Mismatch against the engine&#x27;s state per step" in page or "Mismatch against the engine's state per step" in page

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_trl_e2e import run_scenario
 
-from rollout_guard.store import read_records
+from rollout_guard.outputs.store import read_records
 
 
 @pytest.fixture(scope="module")

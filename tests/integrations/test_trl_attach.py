@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout_guard.errors import GuardError
-from rollout_guard.sinks import Sink
+from rollout_guard.outputs.sinks import Sink
 
 
 def make_trainer(model_dir, out, rollouts=None, **overrides):

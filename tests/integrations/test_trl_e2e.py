@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rollout_guard.statistics import COLUMN
-from rollout_guard.store import read_records
+from rollout_guard.outputs.store import read_records
 from rollout_guard.verdict import RULE_BIT
 from tests.processes import launch, run_group
 

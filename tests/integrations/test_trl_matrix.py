@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollout_guard.action import group_relative_advantages
-from rollout_guard.store import read_records
+from rollout_guard.outputs.store import read_records
 from tests.processes import launch
 
 SCRIPT = Path(__file__).with_name("trl_matrix.py")

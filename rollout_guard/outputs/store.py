@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from rollout_guard.records import QuarantineRecord
+from rollout_guard.outputs.records import QuarantineRecord
 
 FILE_PATTERN = re.compile(r"quarantine-(\d{5})\.jsonl$")
 DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024

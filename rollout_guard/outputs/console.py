@@ -19,9 +19,9 @@ from typing import TextIO
 
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.outcomes import outcome_lines
-from rollout_guard.records import QuarantineRecord
+from rollout_guard.outputs.records import QuarantineRecord
 from rollout_guard.verdict import fired_rules
-from rollout_guard.sinks import Sink
+from rollout_guard.outputs.sinks import Sink
 
 logger = logging.getLogger("rollout_guard")
 

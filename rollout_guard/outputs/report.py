@@ -10,12 +10,12 @@ import re
 import warnings
 from pathlib import Path
 
-from rollout_guard.charts import delta_heatmap, engine_chart, engine_samples_chart, spike_chart, token_chart
-from rollout_guard.engine_view import SAMPLES_FILE, engine_history, engine_summary, read_jsonl, sample_rows
+from rollout_guard.outputs.charts import delta_heatmap, engine_chart, engine_samples_chart, spike_chart, token_chart
+from rollout_guard.outputs.engine_view import SAMPLES_FILE, engine_history, engine_summary, read_jsonl, sample_rows
 from rollout_guard.outcomes import outcome_lines, outcome_sums
-from rollout_guard.records import QuarantineRecord
+from rollout_guard.outputs.records import QuarantineRecord
 from rollout_guard.statistics import DELTA_BIN_EDGES
-from rollout_guard.store import read_records
+from rollout_guard.outputs.store import read_records
 from rollout_guard.verdict import RULE_TEXT
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rollout_guard.extras import require_extra
 
-require_extra("rollout_guard.charts", ("matplotlib",), "charts")
+require_extra("rollout_guard.outputs.charts", ("matplotlib",), "charts")
 import matplotlib
 
 matplotlib.use("Agg")
@@ -150,7 +150,7 @@ def _floored(values: Sequence[float]) -> list[float]:
 
 
 def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> Path:
-    """The mismatch next to the engine's state, per step (rows of :func:`rollout_guard.engine_view.engine_history`).
+    """The mismatch next to the engine's state, per step (rows of :func:`rollout_guard.outputs.engine_view.engine_history`).
     Top: max |Δ| (log, left) and quarantined share (right). Middle: KV-cache usage (max and mean over the step's
     engine iterations, %, left) and running requests (max, right). Bottom: weight version (syncs since start) and
     preemptions. Missing values (an engine mode that does not give them) leave gaps."""
@@ -200,7 +200,7 @@ def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> 
 
 def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """Each rollout's max |Δ| (log) against its own engine context (rows of
-    :func:`rollout_guard.engine_view.sample_rows`): weight version, KV-cache usage during its life (max) and running
+    :func:`rollout_guard.outputs.engine_view.sample_rows`): weight version, KV-cache usage during its life (max) and running
     requests during its life (max); suspect rollouts circled in red. A panel whose field the engine did not give
     says so."""
     panels = (("weight_version", "weight version (syncs since start)"),

@@ -12,7 +12,7 @@ from rollout_guard.extras import require_extra
 require_extra("the rollout-guard command line", ("typer", "rich", "matplotlib"), "cli")
 import typer
 
-from rollout_guard.report import format_value
+from rollout_guard.outputs.report import format_value
 
 app = typer.Typer(help="rollout_guard: keep corrupted rollouts out of RL training.", no_args_is_help=True,
                   add_completion=False)
@@ -33,7 +33,7 @@ def report(
     top: int = typer.Option(10, help="How many of the worst samples to draw token by token."),
 ) -> None:
     """Build one self-contained HTML report (spike chart, |Δ| histograms, alerts, worst samples, quarantine table)."""
-    from rollout_guard.report import build_report
+    from rollout_guard.outputs.report import build_report
 
     try:
         path = build_report(run_dir, output, top=top)
@@ -215,8 +215,8 @@ def replay(
     from rich.table import Table
 
     from rollout_guard.integrations.vllm_tools import DTYPES, AuditUsageError, check_model, replay_many
-    from rollout_guard.sinks import read_detector_states
-    from rollout_guard.store import read_records
+    from rollout_guard.outputs.sinks import read_detector_states
+    from rollout_guard.outputs.store import read_records
 
     _quiet_vllm()
     if not store.exists():
@@ -303,7 +303,3 @@ def replay(
                           "look at kernels, dtype or weights.",
                           style="bold")
     console.print(result.pattern.line(), style="bold", highlight=False, soft_wrap=True)
-
-
-if __name__ == "__main__":
-    app()

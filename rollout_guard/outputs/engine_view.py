@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rollout_guard.records import json_safe
+from rollout_guard.outputs.records import json_safe
 from rollout_guard.statistics import COLUMN
-from rollout_guard.sinks import Sink
+from rollout_guard.outputs.sinks import Sink
 
 logger = logging.getLogger("rollout_guard")
 
@@ -35,7 +35,7 @@ def _number(value: Any) -> float:
 
 
 def engine_history(metrics_rows: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
-    """Per-step rows for :func:`rollout_guard.charts.engine_chart` from ``metrics.jsonl`` rows (NaN where missing);
+    """Per-step rows for :func:`rollout_guard.outputs.charts.engine_chart` from ``metrics.jsonl`` rows (NaN where missing);
     steps without any ``engine/`` value are left out.
 
     >>> rows = [{"step": 1, "max_abs_delta": 0.01, "quarantined_share": 0.0, "engine/weight_version": 1.0},
@@ -152,7 +152,7 @@ class EngineContextSink(Sink):
     def draw(self) -> list[Path]:
         """Redraw both charts from what this run wrote (needs matplotlib, the ``charts`` extra)."""
         try:
-            from rollout_guard.charts import engine_chart, engine_samples_chart
+            from rollout_guard.outputs.charts import engine_chart, engine_samples_chart
         except ImportError:
             return []
         paths = []

@@ -15,8 +15,8 @@ from pathlib import Path
 from rollout_guard.config import GuardConfig
 from rollout_guard.extras import MissingExtraError, require_extra
 from rollout_guard.guard import RolloutGuard, StepReport
-from rollout_guard.records import QuarantineRecord, json_safe
-from rollout_guard.store import QuarantineStore, drop_records_after
+from rollout_guard.outputs.records import QuarantineRecord, json_safe
+from rollout_guard.outputs.store import QuarantineStore, drop_records_after
 
 logger = logging.getLogger("rollout_guard")
 
@@ -145,7 +145,7 @@ class LocalFilesSink(Sink):
         if not guard.totals.history or self._no_charts:
             return None
         try:
-            from rollout_guard.charts import spike_chart
+            from rollout_guard.outputs.charts import spike_chart
         except MissingExtraError as error:
             self._no_charts = True
             logger.warning("rollout_guard: no spikes.png (%s); metrics.jsonl has the same numbers", error)
@@ -155,7 +155,7 @@ class LocalFilesSink(Sink):
 
 class StepTableSink(Sink):
     """Prints one table row per guarded step (rich: the `cli` extra), for watching a run closely (the demo does).
-    Alerts and the end-of-training summary are :class:`rollout_guard.console.ConsoleSink`'s."""
+    Alerts and the end-of-training summary are :class:`rollout_guard.outputs.console.ConsoleSink`'s."""
 
     COLUMNS = (
         ("step", "step", "{:.0f}"), ("samples", "rollouts", "{:.0f}"), ("max_abs_delta", "max|Δ|", "{:.2e}"),
