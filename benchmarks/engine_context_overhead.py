@@ -118,7 +118,7 @@ if __name__ == "__main__":
         for row in report["host"]:
             print(f"host: {row['rows']} rollouts × {row['tokens']} tokens, {row['iterations']} iterations: {1e3 * row['seconds']:.2f} ms")
     if arguments.engine:
-        from rollout_guard.integrations.tiny_model import build_tiny_model
+        from rollout_guard.testing.tiny_model import build_tiny_model
 
         model = str(build_tiny_model(REPO / ".cache" / "models"))
         report["engine"] = engine_cost(model, arguments.repeats)

@@ -1,7 +1,7 @@
 """The real engine-level stale-state fault (vLLM PR #32118, reinstated by FAULT INJECTION FOR TESTS) on vLLM CPU.
 
 Generates with vLLM (bf16) from the same copy prompts under stress conditions twice, in two processes: once
-with ``rollout_guard.integrations.testing_faults`` switched on, once with vLLM as shipped. Every rollout is
+with ``rollout_guard.testing.engine_faults`` switched on, once with vLLM as shipped. Every rollout is
 re-scored with transformers (float32) given its true prompt: that is the ground truth. Prints, per condition, how
 many rollouts disagree (max |Δ| above 1, 3 and 8 nats), their |Δ| profile (max, mean over their tokens, the
 engine's logprob of the worst token), what the guard's defaults flag, and how often the fault fired. ``--json``
@@ -30,12 +30,12 @@ def run_condition(args: argparse.Namespace) -> dict:
     """One condition, in this process: generate, re-score, summarise every rollout."""
     import torch
 
-    from rollout_guard.integrations import testing_faults
-    from rollout_guard.integrations.tiny_model import copy_prompt
+    from rollout_guard.testing import engine_faults
+    from rollout_guard.testing.tiny_model import copy_prompt
     from rollout_guard.integrations.vllm_tools import StressSettings, audit
 
     if args.condition == "fault":
-        testing_faults.enable_stale_mamba_state_fault()
+        engine_faults.enable_stale_mamba_state_fault()
     rng = random.Random(args.seed)
     letters = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8))) for _ in range(args.prompts)]
     prompt_file = Path(tempfile.mkdtemp()) / "prompts.txt"
@@ -55,7 +55,7 @@ def run_condition(args: argparse.Namespace) -> dict:
                      "worst_engine_logprob": float(e[worst]) if worst >= 0 else None,
                      "engine": e.tolist(), "trainer": t.tolist()})
     return {"condition": args.condition, "conditions": result.conditions, "samples": rows,
-            "suspect": int(result.report.metrics["suspect"]), "fault_stats": dict(testing_faults.FAULT_STATS)}
+            "suspect": int(result.report.metrics["suspect"]), "fault_stats": dict(engine_faults.FAULT_STATS)}
 
 
 def summary(result: dict) -> list[str]:
@@ -98,7 +98,7 @@ def main() -> None:
         args.out.write_text(json.dumps(run_condition(args)))
         return
     if args.model is None:
-        from rollout_guard.integrations.tiny_model import MAMBA2_RECIPE, build_tiny_model
+        from rollout_guard.testing.tiny_model import MAMBA2_RECIPE, build_tiny_model
 
         args.model = str(build_tiny_model(REPO / ".cache" / "models", MAMBA2_RECIPE))
     results = {}

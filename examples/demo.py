@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rollout_guard import GuardConfig
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
     from rollout_guard.integrations.trl import attach_guard, default_sinks, inject_stale_context
     from rollout_guard.integrations.vllm_cpu import enable_trl_colocate_on_vllm_cpu
     from rollout_guard.outputs.sinks import StepTableSink

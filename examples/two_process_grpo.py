@@ -62,7 +62,7 @@ def train(args: argparse.Namespace) -> dict:
 
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.hf_rollouts import TransformersRollouts
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward, random_letters
     from rollout_guard.integrations.trl import attach_guard
 
     state = PartialState(cpu=args.cpu)

@@ -6,8 +6,7 @@ TRL/vLLM/transformers versions for records.
 ``vllm_cpu``: CPU support for TRL's vLLM colocate mode and a vLLM server command for the CPU build.
 ``vllm_tools``: ``rollout-guard audit`` and ``replay`` (a vLLM engine next to transformers).
 ``rescoring``: batched re-scoring of rollouts with transformers (and the per-sample reference).
-``testing_faults``: FAULT INJECTION FOR TESTS, never on by default: the stale Mamba state bug of vLLM PR #32118.
 ``hf_rollouts``: a transformers rollout engine (``rollout_func``) with engine logprobs.
 ``wandb`` and ``trackio``: sinks for those trackers.
-``tiny_model``: a tiny model and tokenizer built locally, for tests and the demo.
+The test and demo helpers (tiny model, engine faults) are in ``rollout_guard.testing``.
 """

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from rollout_guard.integrations.tiny_model import build_tiny_model
+    from rollout_guard.testing.tiny_model import build_tiny_model
 
     return build_tiny_model(CACHE / "models")
 
@@ -29,7 +29,7 @@ def mamba2_dir(tiny_model_dir) -> Path:
     """The tiny Mamba2 copy model (MAMBA2_RECIPE), for the engine-level stale-state fault."""
     import torch
 
-    from rollout_guard.integrations.tiny_model import MAMBA2_RECIPE, build_tiny_model
+    from rollout_guard.testing.tiny_model import MAMBA2_RECIPE, build_tiny_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # transformers' reference Mamba2 scan is made of small ops: one thread is faster

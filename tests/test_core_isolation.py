@@ -15,7 +15,7 @@ def test_core_imports_neither_trl_nor_vllm():
 
 
 def test_integrations_are_importable_under_the_package_name():
-    import rollout_guard.integrations.tiny_model as tiny_model
+    import rollout_guard.testing.tiny_model as tiny_model
     import rollout_guard.integrations.trl as trl_adapter
 
     assert callable(trl_adapter.attach_guard) and callable(tiny_model.build_tiny_model)

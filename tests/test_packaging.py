@@ -29,7 +29,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_maps_integrations_under_the_package(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("trl/__init__", "trl/attach", "trl/batch", "trl_versions", "vllm_cpu", "hf_rollouts", "wandb", "trackio",
-                   "tiny_model", "vllm_tools", "rescoring", "testing_faults"):
+                   "vllm_tools", "rescoring"):
         assert f"rollout_guard/integrations/{module}.py" in names, module
     assert "rollout_guard/py.typed" in names
     assert not any(name.startswith(("integrations/", "tests/", "examples/", "scripts/")) for name in names)

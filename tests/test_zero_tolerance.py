@@ -20,7 +20,7 @@ def identical_pair(tiny_model_dir):
     copy model over the same 16 copy prompts and their answers (nats, (16, T))."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, random_letters
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, copy_prompt, random_letters
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()

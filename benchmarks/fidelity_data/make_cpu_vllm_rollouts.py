@@ -4,7 +4,7 @@
 
 Models (each engine runs in its own subprocess: one vLLM engine per process on the CPU build):
 
-* ``copy-llama``, ``copy-falcon_h1``: the project's tiny copy models (``integrations/tiny_model.py``; FalconH1 = attention
+* ``copy-llama``, ``copy-falcon_h1``: the project's tiny copy models (``rollout_guard/testing/tiny_model.py``; FalconH1 = attention
   + Mamba2), prompts ``letters=``, completions the copied letters and ``</s>``.
 * ``stdlib-llama``: a tiny Llama (hidden 64, 2 layers, the 8k stdlib BPE) trained here for ``--train-seconds`` in fp32
   on this Python's standard library (``make_h200_rollouts.py``'s corpus and trainer); prompts are openings of
@@ -37,7 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1]))  # the repository root: rollout_guard.integrations.tiny_model
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root: rollout_guard.testing.tiny_model
 
 STARTED = time.time()
 
@@ -49,7 +49,7 @@ def log(message: str) -> None:
 # ------------------------------------------------------------------------------------------------ models
 def build_copy_model(cache: Path, architecture: str) -> Path:
     try:
-        from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
+        from rollout_guard.testing.tiny_model import TinyModelRecipe, build_tiny_model
     except ImportError:  # a worktree without the integrations symlink
         sys.path.insert(0, str(HERE.parents[1] / "integrations"))
         from tiny_model import TinyModelRecipe, build_tiny_model

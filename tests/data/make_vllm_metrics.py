@@ -23,7 +23,7 @@ if __name__ == "__main__":
     from prometheus_client import REGISTRY, generate_latest
     from vllm import LLM, SamplingParams
 
-    from rollout_guard.integrations.tiny_model import build_tiny_model
+    from rollout_guard.testing.tiny_model import build_tiny_model
 
     model = build_tiny_model(HERE.parents[1] / ".cache" / "models")
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=4, block_size=32,

@@ -236,7 +236,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     from trl import GRPOConfig, GRPOTrainer
 
     from rollout_guard import CircuitBreakerTripped, GuardConfig
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, copy_reward, random_letters
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, copy_prompt, copy_reward, random_letters
     from rollout_guard.integrations.trl import attach_guard, inject_stale_context
     from rollout_guard.integrations.vllm_cpu import enable_trl_colocate_on_vllm_cpu
 
@@ -256,7 +256,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
         settings["vllm_server_base_url"] = f"http://127.0.0.1:{port}"
         bypass_server_weight_sync()
     elif name.startswith("stale_state"):
-        from rollout_guard.integrations.testing_faults import enable_stale_mamba_state_fault_in_trl, stress_trl_colocate_engine
+        from rollout_guard.testing.engine_faults import enable_stale_mamba_state_fault_in_trl, stress_trl_colocate_engine
 
         enable_trl_colocate_on_vllm_cpu(dtype="bfloat16")  # vLLM CPU runs Mamba2 in bf16 only
         stress = enable_stale_mamba_state_fault_in_trl if name == "stale_state" else stress_trl_colocate_engine
@@ -343,7 +343,7 @@ def run(name: str, out: Path, model: str, steps: int, save_steps: int | None = N
     rescored = rescored_max_delta(model, raw) if name.startswith("stale_state") else None
     fault = None
     if name.startswith("stale_state"):
-        from rollout_guard.integrations.testing_faults import FAULT_STATS
+        from rollout_guard.testing.engine_faults import FAULT_STATS
 
         fault = dict(FAULT_STATS)
     torch.save(

@@ -1,7 +1,7 @@
 """rollout-guard audit --stress on real vLLM CPU, with the engine-level stale-state fault of vLLM PR #32118
-reinstated (integrations/testing_faults.py, FAULT INJECTION FOR TESTS) and without it; replay names the patterns.
+reinstated (rollout_guard/testing/engine_faults.py, FAULT INJECTION FOR TESTS) and without it; replay names the patterns.
 
-The fault runs through ``python -m rollout_guard.integrations.testing_faults``: the same command line with the fault
+The fault runs through ``python -m rollout_guard.testing.engine_faults``: the same command line with the fault
 switched on in its process. Ground truth is the transformers re-scoring of every rollout (the audit's own).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, random_letters
+from rollout_guard.testing.tiny_model import TinyModelRecipe, build_tiny_model, copy_prompt, random_letters
 from rollout_guard.outputs.records import QuarantineRecord
 from rollout_guard.outputs.store import read_records
 
@@ -30,7 +30,7 @@ def first_divergent(record: QuarantineRecord, nats: float = 1.0) -> int:
     return next((i for i, (e, t) in enumerate(pairs) if e is not None and t is not None and abs(e - t) > nats), -1)
 
 def cli(*args: str, fault: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
-    module = "rollout_guard.integrations.testing_faults" if fault else "rollout_guard.cli"
+    module = "rollout_guard.testing.engine_faults" if fault else "rollout_guard.cli"
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, random_letters
+from rollout_guard.testing.tiny_model import TinyModelRecipe, copy_prompt, random_letters
 from rollout_guard.outputs.store import read_records
 
 

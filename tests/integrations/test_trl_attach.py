@@ -19,7 +19,7 @@ def make_trainer(model_dir, out, rollouts=None, **overrides):
     from trl import GRPOConfig, GRPOTrainer
 
     from rollout_guard.integrations.hf_rollouts import TransformersRollouts
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, copy_reward, random_letters
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, copy_prompt, copy_reward, random_letters
 
     rng = random.Random(0)
     dataset = Dataset.from_list([{"prompt": copy_prompt(random_letters(rng, TinyModelRecipe()))} for _ in range(16)])

@@ -168,7 +168,7 @@ def test_processed_logprobs_of_a_high_entropy_top_k_policy_are_not_corruption(tm
     the log of the mass outside the top 5, on every token. By default the trainer's logprobs are compared on vLLM's
     top-5 support (the offset is gone: what is left is the engine's and the trainer's float32 noise); with
     ``compare_on_engine_support=False`` the offset stays and the detector's centres must absorb it."""
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, build_tiny_model
 
     model = build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(train_steps=5))  # barely trained: high entropy
     result, log = run_scenario(scenario, tmp_path_factory, model, steps=4)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.trl_range  # also on the oldest supported TRL (1.14: fu
 
 @pytest.fixture(scope="module")
 def high_entropy_model(tiny_model_dir):
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, build_tiny_model
 
     return build_tiny_model(tiny_model_dir.parent, TinyModelRecipe(train_steps=5))  # barely trained: flat
 
@@ -229,7 +229,7 @@ def test_a_hybrid_model_with_a_logit_multiplier_is_captured_exactly(tiny_model_d
     fused head reads it, the captured log Z matches the model's own full logits, and no token falls back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, build_tiny_model
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, build_tiny_model
     from rollout_guard.integrations.trl.support import SupportCapture
     from rollout_guard.support import kept_log_mass
 

@@ -82,7 +82,7 @@ def removed_rows_comparison(trainer, raw: dict, guarded: dict, quarantined) -> d
 def prompts_dataset(count: int, seed: int):
     from datasets import Dataset
 
-    from rollout_guard.integrations.tiny_model import TinyModelRecipe, copy_prompt, random_letters
+    from rollout_guard.testing.tiny_model import TinyModelRecipe, copy_prompt, random_letters
 
     rng = random.Random(seed)
     return Dataset.from_list([{"prompt": copy_prompt(random_letters(rng, TinyModelRecipe()))} for _ in range(count)])
@@ -90,7 +90,7 @@ def prompts_dataset(count: int, seed: int):
 
 def copy_accuracy(prompts, completions, **_):
     """Copy reward, but ``None`` (TRL: NaN) for five-letter prompts."""
-    from rollout_guard.integrations.tiny_model import copy_reward
+    from rollout_guard.testing.tiny_model import copy_reward
 
     return [None if len(p) == 6 else copy_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_guard.integrations import testing_faults
+from rollout_guard.testing import engine_faults
 
 
 @pytest.fixture()
@@ -21,7 +21,7 @@ def vllm_modules():
     import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 
     yield mamba_attn, gpu_model_runner
-    testing_faults.disable_stale_mamba_state_fault()
+    engine_faults.disable_stale_mamba_state_fault()
 
 
 def metadata(query_lens: list[int], computed: list[int], prompt_lens: list[int]) -> SimpleNamespace:
@@ -43,7 +43,7 @@ def test_a_new_one_token_request_is_split_as_a_decode_only_with_the_fault(vllm_m
         return mamba_attn.split_decodes_and_prefills(batch, decode_threshold=1, treat_short_extends_as_decodes=False)
 
     assert split() == (1, 1, 1, 1)  # vLLM 0.31 as shipped: the new request is a prefill (zero initial state)
-    with testing_faults.stale_mamba_state_fault() as stats:
+    with engine_faults.stale_mamba_state_fault() as stats:
         assert split() == (2, 0, 2, 0)  # before the fix: both are decodes; the new one reads its slot's state
         assert stats["new_rows_run_as_decode"] == 1
         # a request continuing its prompt by one token has prior state: not counted as a firing
@@ -67,25 +67,25 @@ def test_reorder_puts_every_one_token_row_first_as_before_the_fix():
     # r0 new prefill (5), r1 decode, r2 extend (4), r3 new 1-token request, r4 decode, r5 extend (2)
     batch = FakeBatch(scheduled=[5, 1, 4, 1, 1, 2], computed=[0, 7, 3, 0, 8, 2])
     output = SimpleNamespace(num_scheduled_tokens=dict(batch.scheduled))
-    assert testing_faults._prefix_reorder(batch, output, decode_threshold=1)
+    assert engine_faults._prefix_reorder(batch, output, decode_threshold=1)
     assert batch.req_ids == ["r1", "r3", "r4", "r2", "r5", "r0"]  # decodes (new r3 among them), extends, prefills
     assert list(batch.num_computed_tokens_cpu) == [7, 0, 8, 3, 2, 0]
-    assert not testing_faults._prefix_reorder(batch, output, decode_threshold=1)  # already in order
+    assert not engine_faults._prefix_reorder(batch, output, decode_threshold=1)  # already in order
 
 
 def test_enable_is_idempotent_and_disable_restores_vllm(vllm_modules, monkeypatch):
     mamba_attn, gpu_model_runner = vllm_modules
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     split, reorder = mamba_attn.split_decodes_and_prefills, gpu_model_runner.reorder_batch_to_split_decodes_and_prefills
-    testing_faults.enable_stale_mamba_state_fault()
+    engine_faults.enable_stale_mamba_state_fault()
     patched = mamba_attn.split_decodes_and_prefills
-    testing_faults.enable_stale_mamba_state_fault()
+    engine_faults.enable_stale_mamba_state_fault()
     assert mamba_attn.split_decodes_and_prefills is patched is not split
-    assert testing_faults.stale_mamba_state_fault_enabled()
+    assert engine_faults.stale_mamba_state_fault_enabled()
     import os
 
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    testing_faults.disable_stale_mamba_state_fault()
+    engine_faults.disable_stale_mamba_state_fault()
     assert mamba_attn.split_decodes_and_prefills is split
     assert gpu_model_runner.reorder_batch_to_split_decodes_and_prefills is reorder
-    assert not testing_faults.stale_mamba_state_fault_enabled()
+    assert not engine_faults.stale_mamba_state_fault_enabled()

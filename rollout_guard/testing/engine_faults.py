@@ -193,7 +193,7 @@ def enable_stale_mamba_state_fault_in_trl(max_num_seqs: int = 8, max_num_batched
 
 
 if __name__ == "__main__":
-    # `python -m rollout_guard.integrations.testing_faults audit MODEL --stress ...`: the rollout-guard command line
+    # `python -m rollout_guard.testing.engine_faults audit MODEL --stress ...`: the rollout-guard command line
     # with the fault switched on in this process (for tests and the README's demonstration only).
     import sys
 
