@@ -17,7 +17,7 @@ sends it SIGKILL (the kill lands in a later step, wherever it is) and starts it 
 Checks (printed, and written as JSON with ``--out``; exit code 1 when one fails):
 
 * records: the corrupted rollouts of the steps that count (a step that ran again after a resume counts in its last
-  run only), identified by (step, global_row), against the quarantine store (``rollout_guard.store.read_records``):
+  run only), identified by (step, global_row), against the quarantine store (``rollout_guard.outputs.store.read_records``):
   expected, found, lost (not in the store), duplicated (in the store more than once), quarantined rows that were
   not corrupted, and records whose ``injected`` flag disagrees;
 * metrics: ``metrics.jsonl`` has one line per step, 1 to the last;
@@ -137,7 +137,7 @@ def child(args: argparse.Namespace) -> None:
     from rollout_guard import GuardConfig
     from rollout_guard.errors import CircuitBreakerTripped
     from rollout_guard.injection import plan_injection
-    from rollout_guard.integrations.tiny_model import (TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward,
+    from rollout_guard.testing.tiny_model import (TinyModelRecipe, build_tiny_model, copy_prompt, copy_reward,
                                                        random_letters)
     from rollout_guard.integrations.trl import attach_guard
     from rollout_guard.integrations.trl.fault_injection import StaleContextInjector
@@ -300,7 +300,7 @@ def slope(points: list[tuple[float, float, int]]) -> tuple[float, float]:
 
 
 def check(args: argparse.Namespace, runs: list[dict]) -> dict:
-    from rollout_guard.store import read_records
+    from rollout_guard.outputs.store import read_records
 
     out = args.output_dir
     # the steps that count: an attempt's steps up to the checkpoint the next attempts resumed from
