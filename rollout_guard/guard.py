@@ -292,7 +292,7 @@ class RolloutGuard:
         samples, histogram = summarise(evidence, judgement)
         dtype = packet_dtype(evidence.device)
         head = torch.zeros(2, dtype=dtype, device=evidence.device)
-        head[0] = STATUS_OK  # a fill on the device: no host→device copy
+        head[:1].fill_(STATUS_OK)  # a fill kernel: no host→device copy, no host sync
         noise = torch.cat([judgement.noise.centre, judgement.noise.scale, judgement.growth])
         return torch.cat([head, samples.flatten().to(dtype), judgement.reasons.to(dtype), histogram.to(dtype),
                           judgement.kept_counts.flatten().to(dtype), noise.to(dtype)])
