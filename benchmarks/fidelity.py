@@ -194,7 +194,7 @@ def sweep(judged_all: list, config: GuardConfig,
     samples = torch.cat([j.rows()[0] for j in judged_all])
     labels = [label for j in judged_all for label in j.rows()[2]]
     counted = torch.cat([j.rows()[3] for j in judged_all])
-    fixed = firings(samples, math.inf, config.ceiling_delta)
+    fixed = firings(samples, math.inf, config.ceiling_delta, config.tolerance_delta)
     always = fixed["nonfinite_engine"] | fixed["nonfinite_trainer"] | fixed["ceiling"]
     curves: dict[str, list[float]] = {}
     names = sorted(set(labels))

@@ -119,11 +119,11 @@ class Judged:
         return torch.cat(self.threshold)
 
 
-def firings(samples: torch.Tensor, threshold: torch.Tensor | float,
-            ceiling_delta: float | None) -> dict[str, torch.Tensor]:
+def firings(samples: torch.Tensor, threshold: torch.Tensor | float, ceiling_delta: float | None,
+            tolerance_delta: float | None = None) -> dict[str, torch.Tensor]:
     """Which rules of :data:`rollout_guard.verdict.RULES` fire on each row, read back from its statistics
     (:data:`rollout_guard.statistics.SAMPLE_COLUMNS`): a non-finite logprob on either side, a compared token's
-    |Δ| over ``ceiling_delta`` (``None``: off), the score over the row's ``threshold``. Compared in float32, as the
+    |Δ| over ``ceiling_delta`` or over ``tolerance_delta`` (``None``: off), the score over the row's ``threshold``. Compared in float32, as the
     detector compares, so that the rules' union is the guard's verdict.
 
     Args:
@@ -140,7 +140,7 @@ def firings(samples: torch.Tensor, threshold: torch.Tensor | float,
     >>> samples[:, COLUMN["score"]] = torch.tensor([40.0, float("nan"), 7.0])
     >>> {rule: fired.tolist() for rule, fired in firings(samples, 6.9, 25.0).items()}  # doctest: +NORMALIZE_WHITESPACE
     {'nonfinite_engine': [False, True, False], 'nonfinite_trainer': [False, False, False],
-     'ceiling': [True, False, False], 'score': [True, False, True]}
+     'ceiling': [True, False, False], 'score': [True, False, True], 'tolerance': [False, False, False]}
     """
     column = {name: samples[:, COLUMN[name]] for name in
               ("nonfinite_engine_tokens", "nonfinite_trainer_tokens", "max_abs_delta", "score")}
@@ -149,7 +149,9 @@ def firings(samples: torch.Tensor, threshold: torch.Tensor | float,
            "nonfinite_trainer": column["nonfinite_trainer_tokens"] > 0,
            "ceiling": (column["max_abs_delta"].float() > ceiling_delta if ceiling_delta is not None
                        else torch.zeros(len(samples), dtype=torch.bool)),
-           "score": column["score"].float() > threshold}
+           "score": column["score"].float() > threshold,
+           "tolerance": (column["max_abs_delta"].float() > tolerance_delta if tolerance_delta is not None
+                         else torch.zeros(len(samples), dtype=torch.bool))}
     return {rule: out[rule] for rule in RULES}
 
 
@@ -327,7 +329,7 @@ def figures(judged: Judged, config: GuardConfig) -> dict[str, dict]:
     false quarantines among the judgements of resampled clean rows (each row judged again in later steps)."""
     samples, verdict, labels, counted, tokens = judged.rows()
     origin = judged.origins()
-    fired = firings(samples, judged.thresholds(), config.ceiling_delta)
+    fired = firings(samples, judged.thresholds(), config.ceiling_delta, config.tolerance_delta)
     out: dict[str, dict] = {}
     for name in sorted(set(labels)):
         rows = torch.tensor([label == name for label in labels]) & counted
