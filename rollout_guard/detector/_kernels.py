@@ -96,7 +96,7 @@ def _logaddexp(a, b):
 @triton.jit
 def _token_terms(engine, trainer, valid, centre_ptr, scale_ptr, below_ptr, centre_mass_ptr, lags, lag_ok,
                  edges_ptr, E0, E1, E2, N_EDGES: tl.constexpr, STEPS: tl.constexpr):
-    """Per token of a block: read, ``d``, ``x``, ``b``, and the (BLOCK, LAG_BLOCK) capped engine-favouring and
+    """Per token of a block: whether it is read, and the (BLOCK, LAG_BLOCK) capped engine-favouring and
     trainer-favouring lag log ratios and the later-token log ratio (score.py)."""
     read = valid & (tl.abs(engine) < float("inf")) & (tl.abs(trainer) < float("inf"))
     engine_read = tl.where(read, engine, 0.0)
@@ -127,7 +127,7 @@ def _token_terms(engine, trainer, valid, centre_ptr, scale_ptr, below_ptr, centr
     later = tl.where(counted, later, 0.0)
     first = tl.where(counted, first, -float("inf"))
     down = tl.where(counted, down, -float("inf"))
-    return read, delta, x, b, first, down, later
+    return read, first, down, later
 
 
 @triton.jit
@@ -215,7 +215,7 @@ def judge_rows(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, samples_ptr, rea
         offsets = start + tl.arange(0, BLOCK)
         engine, trainer, valid = _load_row(engine_ptr, trainer_ptr, mask_ptr, row, offsets, length,
                                            stride_e, stride_t, stride_m)
-        read, delta, x, b, first, down, later = _token_terms(
+        read, first, down, later = _token_terms(
             engine, trainer, valid, centre_ptr, scale_ptr, below_ptr, centre_mass_ptr, lags, lag_ok, edges_ptr,
             E0, E1, E2, N_EDGES, STEPS)
         after = carry[None, :] + tl.cumsum(later, axis=0, reverse=True) - later

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from rollout_guard.detector.noise import EDGES, NUM_BINS, Noise, _cdf, healthy_noise, noise_of
+from rollout_guard.detector.noise import EDGES, NUM_BINS, _cdf, healthy_noise, noise_of
 from rollout_guard.detector.score import ENGINE_FAVOURING, LAGS, NUM_REGIONS, REGION_EDGES, _on
 
 ROW_COLUMNS = ("tokens", "compared_tokens", "max_abs_delta", "mean_abs_delta", "seq_log_ratio", "kl_k3",
@@ -199,8 +199,3 @@ def judge_rows(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, 
             HAS_CEILING=ceiling is not None, HAS_INJECTED=injected is not None, WIDTH=len(ROW_COLUMNS),
             BLOCK=ROW_BLOCK, **_common(device))
     return Rows(samples, reasons, score, onset)
-
-
-def noise_from(tables: Tables) -> Noise:
-    """The :class:`Noise` a step was judged against (its token counts are not kept: NaN)."""
-    return Noise(tables.noise[0], tables.noise[1], torch.full_like(tables.noise[0], math.nan))
