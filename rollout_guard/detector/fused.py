@@ -155,7 +155,7 @@ def token_histograms(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Te
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The read tokens' (NUM_REGIONS, NUM_BINS) float64 region × ``d`` histogram (of the rows whose ``reasons`` is
     0, when given) and, with ``with_delta``, their (NUM_DELTA_BINS,) int64 |Δ| histogram."""
-    from rollout_guard.statistics import DELTA_BIN_EDGES, NUM_DELTA_BINS
+    bins = len(_delta_edges())  # statistics.NUM_DELTA_BINS: its edges, the last bin open
 
     rows, length = engine.shape
     counts = torch.zeros(COUNT_SLOTS + DELTA_SLOTS, dtype=torch.float32, device=engine.device)
@@ -164,11 +164,11 @@ def token_histograms(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Te
         _kernels().token_histograms[(rows,)](
             engine, trainer, mask, reasons if reasons is not None else counts, counts, counts[COUNT_SLOTS:], length,
             engine.stride(0), trainer.stride(0), mask.stride(0), delta_edges_ptr=delta_edges,
-            N_DELTA_EDGES=NUM_DELTA_BINS, DELTA_STEPS=_steps(NUM_DELTA_BINS), COUNT_BINS=COUNT_SLOTS,
+            N_DELTA_EDGES=bins, DELTA_STEPS=_steps(bins), COUNT_BINS=COUNT_SLOTS,
             DELTA_BINS=DELTA_SLOTS, KEPT_ONLY=reasons is not None, WITH_DELTA=with_delta, BLOCK=ROW_BLOCK,
             **_common(engine.device))
     region_counts = counts[: NUM_REGIONS * NUM_BINS].view(NUM_REGIONS, NUM_BINS).double()
-    delta = counts[COUNT_SLOTS: COUNT_SLOTS + NUM_DELTA_BINS].long() if with_delta else None
+    delta = counts[COUNT_SLOTS: COUNT_SLOTS + bins].long() if with_delta else None
     return region_counts, delta
 
 
