@@ -12,7 +12,7 @@ import torch
 from rollout_guard.config import GuardConfig
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard
-from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state, saved_step
+from rollout_guard.checkpoint import STATE_FILE, load_state, save_state, saved_step
 from rollout_guard.outputs.records import QuarantineRecord
 from rollout_guard.outputs.sinks import LocalFilesSink
 from rollout_guard.outputs.store import QuarantineStore, read_records

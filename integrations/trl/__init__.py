@@ -52,7 +52,7 @@ from rollout_guard.integrations.trl.batch import (
     require,
 )
 from rollout_guard.integrations.trl.capture import GuardedStep, host_tensors
-from rollout_guard.integrations.trl.checkpoint import STATE_FILE, load_state, save_state
+from rollout_guard.checkpoint import STATE_FILE, load_state, save_state
 from rollout_guard.integrations.trl.engine_context import (EngineContextCollector, StepEngineContext,
     enable_vllm_engine_stats)
 from rollout_guard.integrations.trl.fault_injection import StaleContextInjector, inject_stale_context

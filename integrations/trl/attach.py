@@ -22,7 +22,7 @@ from rollout_guard.errors import CircuitBreakerTripped, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.outcomes import is_correction_metrics, is_correction_rows, reward_metrics
-from rollout_guard.integrations.trl import checkpoint as checkpoint_state
+from rollout_guard import checkpoint as checkpoint_state
 from rollout_guard.integrations.trl.batch import (
     GroupSettings, check_action_inputs, evidence_of, loss_mask_of, quarantine_batch, replica_differs,
     replica_mismatch_message,

@@ -13,27 +13,9 @@ from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import StepReport
 from rollout_guard.integrations.trl.batch import require
 from rollout_guard.integrations.trl_versions import version, vllm_version
-from rollout_guard.outputs.records import QuarantineRecord
+from rollout_guard.outputs.records import QuarantineRecord, decode_records
 from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
 from rollout_guard.verdict import explain, rule_names
-
-
-def decode_records(records: list[QuarantineRecord], tokenizer: Any) -> list[QuarantineRecord]:
-    """Fill in the texts of the records with full evidence (prompt, completion, each completion token on its own),
-    in place, with one tokenizer call: ``batch_decode`` of the prompts, the completions and every distinct
-    completion token (decoded once, however often it occurs). Returns the records."""
-    full = [record for record in records if record.full_evidence]
-    if not full:
-        return records
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
-    distinct = sorted({token for record in full for token in record.completion_ids})
-    sequences = [record.prompt_ids for record in full] + [record.completion_ids for record in full]
-    texts = tokenizer.batch_decode(sequences + [[token] for token in distinct], skip_special_tokens=False)
-    piece = dict(zip(distinct, texts[len(sequences) :], strict=True))
-    for index, record in enumerate(full):
-        record.prompt_text, record.completion_text = texts[index], texts[len(full) + index]
-        record.completion_tokens = [piece[token] for token in record.completion_ids]
-    return records
 
 
 def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: dict[str, Any], report: StepReport,

@@ -71,3 +71,21 @@ class QuarantineRecord:
         if missing:
             raise ValueError(f"quarantine record lacks {missing}")
         return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def decode_records(records: list[QuarantineRecord], tokenizer: Any) -> list[QuarantineRecord]:
+    """Fill in the texts of the records with full evidence (prompt, completion, each completion token on its own),
+    in place, with one tokenizer call: ``batch_decode`` of the prompts, the completions and every distinct
+    completion token (decoded once, however often it occurs). Returns the records."""
+    full = [record for record in records if record.full_evidence]
+    if not full:
+        return records
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+    distinct = sorted({token for record in full for token in record.completion_ids})
+    sequences = [record.prompt_ids for record in full] + [record.completion_ids for record in full]
+    texts = tokenizer.batch_decode(sequences + [[token] for token in distinct], skip_special_tokens=False)
+    piece = dict(zip(distinct, texts[len(sequences) :], strict=True))
+    for index, record in enumerate(full):
+        record.prompt_text, record.completion_text = texts[index], texts[len(full) + index]
+        record.completion_tokens = [piece[token] for token in record.completion_ids]
+    return records

@@ -218,7 +218,7 @@ def test_checkpoint_waits_for_the_writer(tiny_model_dir, tmp_path, monkeypatch):
     from rollout_guard import GuardConfig
     from rollout_guard.integrations.hf_rollouts import TransformersRollouts
     from rollout_guard.integrations.trl import attach_guard
-    from rollout_guard.integrations.trl import checkpoint as checkpoint_state
+    from rollout_guard import checkpoint as checkpoint_state
 
     trainer = make_trainer(tiny_model_dir, tmp_path / "trainer", rollouts=TransformersRollouts(stale_context_rate=0.5, seed=3),
                            max_steps=2, save_strategy="steps", save_steps=1)

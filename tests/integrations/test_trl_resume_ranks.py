@@ -26,7 +26,7 @@ def test_every_process_resumes_with_the_main_processs_guard_state_without_a_shar
     """Only rank 0's checkpoint has the guard's state file; rank 1's checkpoint is the same model, optimizer and
     trainer state without it (a node that does not share rank 0's disk). After resuming and two more steps both
     ranks count every step of the run and hold the same detector state, totals and alert baselines."""
-    from rollout_guard.integrations.trl.checkpoint import STATE_FILE
+    from rollout_guard.checkpoint import STATE_FILE
 
     _run(tiny_model_dir, tmp_path, "first")
     saved = tmp_path / "rank0" / f"checkpoint-{CHECKPOINT_STEP}"

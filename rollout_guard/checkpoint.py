@@ -1,4 +1,4 @@
-"""Checkpoint state: the guard's running state saved next to each TRL checkpoint and restored on resume."""
+"""The guard's running state saved next to a trainer's checkpoint and restored on resume (any framework)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ STATE_FILE = "rollout_guard_state.json"
 
 
 def save_state(guard: RolloutGuard, checkpoint_dir: str | Path, global_step: int | None = None) -> Path:
-    """Write the guard's running state (totals, history, alert baselines) next to a TRL checkpoint, durably: the
+    """Write the guard's running state (totals, history, alert baselines) next to a checkpoint, durably: the
     file is fsynced before it replaces the old one, and the folder after (a crash leaves the old or the new file)."""
     path = Path(checkpoint_dir) / STATE_FILE
     partial = path.with_suffix(".partial")
