@@ -28,13 +28,15 @@ def evidence_of(tensors: Any, bypass: bool) -> RolloutEvidence:
     ``rollout_log_probs``, the trainer's ``old_log_probs`` and ``response_mask``. In bypass mode verl copies the
     engine's logprobs into ``old_log_probs``: the trainer side is then left out (comparing the engine with itself
     would find nothing), and the guard checks the engine's logprobs for NaN/±inf only. A missing side is left out
-    the same way; a missing mask raises :class:`GuardInputError` naming it."""
+    the same way; a float mask counts its nonzero tokens; a missing mask raises :class:`GuardInputError` naming it."""
     keys = set(tensors.keys())
     if MASK_KEY not in keys:
         raise GuardInputError(MASK_KEY, "not in the verl batch", "run the guard after verl has set response_mask")
     engine = tensors[ENGINE_KEY].float() if ENGINE_KEY in keys else None
     trainer = tensors[TRAINER_KEY].float() if TRAINER_KEY in keys and not bypass else None
-    return RolloutEvidence(mask=tensors[MASK_KEY], engine_logprobs=engine, trainer_logprobs=trainer)
+    mask = tensors[MASK_KEY]
+    return RolloutEvidence(mask=mask != 0 if mask.is_floating_point() else mask, engine_logprobs=engine,
+                           trainer_logprobs=trainer)
 
 
 def session_of(batch_keys: Sequence[str]) -> list[str]:
