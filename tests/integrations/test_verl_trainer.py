@@ -236,3 +236,21 @@ def test_the_guards_state_survives_a_checkpoint(tmp_path):
     assert resumed.rollout_guard.resume(folder)
     assert resumed.rollout_guard.guard.totals.quarantined == 1
     assert resumed.rollout_guard.guard.state_dict() == trainer.rollout_guard.guard.state_dict()
+
+
+def test_the_example_launch_script_composes_with_verls_config_and_selects_the_guard(tmp_path, monkeypatch):
+    """examples/verl_grpo/run_grpo_guarded.sh: every override names a key of verl's config, and its guard settings
+    are valid (the script itself needs GPUs and a vLLM server)."""
+    import shlex
+    from pathlib import Path
+
+    from rollout_guard.integrations.verl import VerlGuard
+
+    script = (Path(__file__).resolve().parents[2] / "examples" / "verl_grpo" / "run_grpo_guarded.sh").read_text()
+    command = script[script.index("python3 -m verl.trainer.main_ppo"):script.index('"$@"')].replace("\\\n", " ")
+    monkeypatch.setenv("DATA", str(tmp_path))
+    monkeypatch.setenv("MODEL", "model")
+    overrides = [os.path.expandvars(word) for word in shlex.split(command)[3:]]
+    config = verl_config(tmp_path, *overrides)
+    assert config.trainer.v1.trainer_mode == "guarded_sync" and get_trainer_cls("guarded_sync")
+    assert VerlGuard(config).config.max_quarantine_share == 0.5
