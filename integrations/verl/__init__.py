@@ -8,12 +8,12 @@ are left out of every group baseline (:mod:`.batch`). The modules: :mod:`.batch`
 no verl import), :mod:`.guard` (the guard of one run), :mod:`.trainer` (the trainers; imports verl).
 """
 
-from rollout_guard.integrations.verl.batch import (advantages_without, evidence_of, rejected_whole, session_of,
-                                                   thin_groups, widen_to_sessions)
+from rollout_guard.integrations.verl.batch import (advantages_without, evidence_of, neutral_rows, rejected_whole,
+                                                   session_of, thin_groups, widen_to_sessions)
 from rollout_guard.integrations.verl.guard import VerlGuard, guard_config
 
 TESTED_VERL = ("0.9.1",)
 """The verl releases the adapter's tests run against (``make test-verl``)."""
 
-__all__ = ["TESTED_VERL", "VerlGuard", "advantages_without", "evidence_of", "guard_config", "rejected_whole",
+__all__ = ["TESTED_VERL", "VerlGuard", "advantages_without", "evidence_of", "guard_config", "neutral_rows", "rejected_whole",
            "session_of", "thin_groups", "widen_to_sessions"]

@@ -39,6 +39,31 @@ def evidence_of(tensors: Any, bypass: bool) -> RolloutEvidence:
                            trainer_logprobs=trainer)
 
 
+NEUTRAL_KEYS = ("old_log_probs", "rollout_log_probs", "ref_log_prob", "rollout_is_weights")
+"""The per-token float fields of a verl batch that the actor's losses read besides ``advantages``."""
+
+
+def neutral_rows(data: Any, excluded: torch.Tensor) -> list[str]:
+    """Fill every :data:`NEUTRAL_KEYS` field of ``data`` (a ``DataProto``) with 0.0 on the ``excluded`` rows ((B,)
+    bool), in place; returns the fields filled. A masked row still passes through the loss's arithmetic before the
+    mask: a NaN or ±inf there (a corrupted engine's logprobs, in bypass mode the old logprobs too) turns into a NaN
+    gradient under several of verl's policy losses (``dppo_tv``, ``dppo_kl``, …) although the loss value is finite.
+
+    >>> from types import SimpleNamespace
+    >>> data = SimpleNamespace(batch={"old_log_probs": torch.tensor([[float("nan")], [-1.0]])})
+    >>> neutral_rows(data, torch.tensor([True, False])), data.batch["old_log_probs"].flatten().tolist()
+    (['old_log_probs'], [0.0, -1.0])
+    """
+    filled = []
+    for key in NEUTRAL_KEYS:
+        if key in data.batch.keys():
+            values = data.batch[key]
+            rows = excluded.to(values.device).bool().view(-1, *([1] * (values.dim() - 1)))
+            data.batch[key] = values.masked_fill(rows, 0.0)
+            filled.append(key)
+    return filled
+
+
 def session_of(batch_keys: Sequence[str]) -> list[str]:
     """The agent session of each row of a verl v1 batch: its key ``{uid}_{session}_{output}`` without the output
     index. The outputs of one session share the advantage of its final output.
@@ -91,16 +116,12 @@ def thin_groups(excluded: torch.Tensor, uid: Sequence[Any], min_kept: int) -> to
     return excluded.cpu().bool() | (kept[ids] < min_kept)
 
 
-def advantages_without(data: Any, excluded: torch.Tensor, compute: Callable[[Any, torch.Tensor], Any],
-                       min_kept: int = 1) -> Any:
+def advantages_without(data: Any, excluded: torch.Tensor, compute: Callable[[Any, torch.Tensor], Any]) -> Any:
     """``data`` (a ``DataProto``) with ``advantages`` and ``returns`` from ``compute`` run on the rows not
     ``excluded`` ((B,) bool) only: ``compute(kept_data, kept_index)`` is verl's advantage function on
-    ``data.select_idxs(kept_index)``. Excluded rows get advantages and returns 0 and a zero ``response_mask``;
-    ``min_kept`` > 1 also excludes every group left with fewer rows (:func:`thin_groups`). With nothing excluded this
-    is ``compute(data, all rows)`` itself. Returns ``data``, changed in place."""
+    ``data.select_idxs(kept_index)``. Excluded rows get advantages and returns 0 and a zero ``response_mask``.
+    With nothing excluded this is ``compute(data, all rows)`` itself. Returns ``data``, changed in place."""
     excluded = excluded.cpu().bool()
-    if min_kept > 1 and excluded.any():
-        excluded = thin_groups(excluded, list(data.non_tensor_batch["uid"]), min_kept)
     if not excluded.any():
         return compute(data, torch.arange(len(data)))
     mask = data.batch[MASK_KEY]

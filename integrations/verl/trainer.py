@@ -24,7 +24,7 @@ from verl.trainer.ppo.v1 import (  # noqa: E402
     PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync, register_trainer)
 from verl.trainer.ppo.v1 import trainer_base as base  # noqa: E402 - the names verl's own _compute_advantage calls
 
-from rollout_guard.integrations.verl.batch import advantages_without  # noqa: E402
+from rollout_guard.integrations.verl.batch import advantages_without, neutral_rows, thin_groups  # noqa: E402
 from rollout_guard.integrations.verl.guard import VerlGuard  # noqa: E402
 
 FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
@@ -91,8 +91,11 @@ class GuardedTrainer:
         excluded, report, evidence = guard.judge(data, mask_before, batch.keys, self._guard_step())
         suspect = bool(report.suspect.any()) and evidence is not None
         before = self._advantages(data, batch.keys, torch.zeros_like(excluded)) if suspect and excluded.any() else None
+        min_kept = _min_kept(config.algorithm.adv_estimator)
+        if min_kept > 1 and excluded.any():
+            excluded = thin_groups(excluded, list(data.non_tensor_batch["uid"]), min_kept)
         data = advantages_without(data, excluded, lambda part, kept: self._advantages(
-            part, [batch.keys[i] for i in kept.tolist()]), min_kept=_min_kept(config.algorithm.adv_estimator))
+            part, [batch.keys[i] for i in kept.tolist()]))
         metrics.update(guard.metrics(report))
         records = []
         if suspect:
@@ -110,6 +113,8 @@ class GuardedTrainer:
             fields.append("response_mask")
         if rollout_correction and "rollout_is_weights" in data.batch:
             fields.append("rollout_is_weights")
+        if excluded.any():  # left-out rows: finite zeros wherever the actor's loss reads them
+            fields.extend(key for key in neutral_rows(data, excluded) if key not in fields)
         output = base.TensorDict({field: base.response_to_nested(data.batch[field], response_mask) for field in fields},
                             batch_size=len(batch))
         batch = base.tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)

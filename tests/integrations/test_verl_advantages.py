@@ -4,6 +4,8 @@ batch built without those rows."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +18,8 @@ from verl.trainer.ppo.core_algos import AdvantageEstimator  # noqa: E402
 from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
 
 from rollout_guard.errors import GuardInputError  # noqa: E402
-from rollout_guard.integrations.verl import (advantages_without, evidence_of, rejected_whole,  # noqa: E402
-                                             session_of, thin_groups, widen_to_sessions)
+from rollout_guard.integrations.verl import (advantages_without, evidence_of, neutral_rows,  # noqa: E402
+                                             rejected_whole, session_of, thin_groups, widen_to_sessions)
 from rollout_guard.integrations.verl.trainer import MIN_KEPT  # noqa: E402
 
 GROUP = 4
@@ -106,9 +108,9 @@ def test_rloo_advantages_leave_the_excluded_rows_out_of_the_leave_one_out_mean()
                                        AdvantageEstimator.REINFORCE_PLUS_PLUS])
 def test_every_estimator_gives_kept_rows_what_verl_gives_a_batch_without_the_excluded_rows(estimator):
     compute = verl_advantages(estimator)
-    min_kept = MIN_KEPT.get(estimator.value, 1)
-    guarded = advantages_without(make_batch(SCORES, LENGTHS), EXCLUDED, compute, min_kept=min_kept)
-    excluded = thin_groups(EXCLUDED, [f"prompt{row // GROUP}" for row in range(len(SCORES))], min_kept)
+    excluded = thin_groups(EXCLUDED, [f"prompt{row // GROUP}" for row in range(len(SCORES))],
+                           MIN_KEPT.get(estimator.value, 1))
+    guarded = advantages_without(make_batch(SCORES, LENGTHS), excluded, compute)
     kept = [row for row in range(len(SCORES)) if not excluded[row]]
     alone = make_batch([SCORES[row] for row in kept], [LENGTHS[row] for row in kept])
     alone.non_tensor_batch["uid"] = np.array([f"prompt{row // GROUP}" for row in kept], dtype=object)
@@ -185,3 +187,61 @@ def test_rows_rejected_whole_by_verl_are_told_from_rows_that_were_empty():
     before = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     after = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 0, 0]])
     assert rejected_whole(before, after).tolist() == [True, False, False]
+
+
+def policy_loss(name: str, values: dict[str, torch.Tensor], log_prob: torch.Tensor, agg: str) -> torch.Tensor:
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    config = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                             policy_loss=PolicyLossConfig(loss_mode=name, dro_beta=0.1))
+    loss, *_ = get_policy_loss_fn(name)(
+        old_log_prob=values["old_log_probs"], log_prob=log_prob, advantages=values["advantages"],
+        response_mask=values["response_mask"], loss_agg_mode=agg, config=config,
+        rollout_is_weights=values["rollout_is_weights"])
+    return loss
+
+
+def loss_and_gradient(name: str, agg: str, bad_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's policy loss ``name`` over 4 rows whose row 1 is excluded: its per-row floats hold ``bad_value``
+    (None: ordinary values) before the guard's neutral fill."""
+    generator = torch.Generator().manual_seed(0)
+    rows, width = 4, 5
+    log_prob = (-torch.rand(rows, width, generator=generator)).requires_grad_()
+    tensors = {
+        "old_log_probs": log_prob.detach() - 0.05 * torch.rand(rows, width, generator=generator),
+        "rollout_log_probs": log_prob.detach() - 0.05 * torch.rand(rows, width, generator=generator),
+        "ref_log_prob": log_prob.detach() - 0.05 * torch.rand(rows, width, generator=generator),
+        "rollout_is_weights": 1 + 0.1 * torch.rand(rows, width, generator=generator),
+        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, width).clone(),
+        "response_mask": torch.ones(rows, width),
+    }
+    excluded = torch.tensor([False, True, False, False])
+    if bad_value is not None:
+        for key in ("old_log_probs", "rollout_log_probs", "ref_log_prob", "rollout_is_weights"):
+            tensors[key][1] = bad_value
+    data = DataProto.from_dict(tensors=tensors)
+    data.batch["response_mask"][excluded] = 0
+    data.batch["advantages"][excluded] = 0
+    neutral_rows(data, excluded)
+    loss = policy_loss(name, dict(data.batch.items()), log_prob, agg)
+    loss.backward()
+    return loss.detach(), log_prob.grad
+
+
+def policy_losses() -> list[str]:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    return sorted(POLICY_LOSS_REGISTRY)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", policy_losses())
+def test_an_excluded_row_adds_nothing_to_any_policy_loss_or_gradient_whatever_its_values(name, agg):
+    clean_loss, clean_gradient = loss_and_gradient(name, agg, None)
+    for bad in (1e5, -1e5, math.inf, -math.inf, math.nan):
+        loss, gradient = loss_and_gradient(name, agg, bad)
+        assert torch.isfinite(loss) and torch.isfinite(gradient).all(), (name, agg, bad)
+        assert not gradient[1].any(), (name, agg, bad)
+        torch.testing.assert_close(loss, clean_loss)
+        torch.testing.assert_close(gradient, clean_gradient)

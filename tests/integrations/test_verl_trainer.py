@@ -204,7 +204,9 @@ def test_bypass_mode_checks_the_engine_alone_and_says_so(tmp_path, caplog):
     meta = put_batch("bypass", rows, groups=2)
     metrics: dict = {}
     trainer._compute_advantage(meta, metrics)
-    assert metrics["rollout_guard/quarantined"] == 1 and not read(meta, "response_mask")["response_mask"][3].any()
+    out = read(meta, "response_mask", "old_log_probs", "rollout_log_probs")
+    assert metrics["rollout_guard/quarantined"] == 1 and not out["response_mask"][3].any()
+    assert torch.isfinite(out["old_log_probs"]).all() and torch.isfinite(out["rollout_log_probs"]).all()
 
 
 def test_a_burst_over_the_ceiling_stops_before_the_actor_update(tmp_path):
