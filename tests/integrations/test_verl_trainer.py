@@ -103,7 +103,21 @@ def first_token(values: torch.Tensor) -> torch.Tensor:
     return values[:, 0]
 
 
-def test_the_plugin_registers_the_guarded_trainers_that_run_as_the_mode_they_guard(tmp_path):
+def test_installing_the_package_registers_the_trainers_once_verl_imports_its_v1_trainers():
+    """The ``verl.plugins`` entry point, in a fresh process: ``import verl`` alone imports none of the adapter's
+    trainers; importing verl's v1 trainers registers them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, verl; before = 'rollout_guard.integrations.verl.trainer' in sys.modules; "
+            "from verl.trainer.ppo.v1 import get_trainer_cls; "
+            "print(before, get_trainer_cls('guarded_sync').__module__)")
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
+                            check=True)
+    assert result.stdout.split()[-2:] == ["False", "rollout_guard.integrations.verl.trainer"]
+
+
+def test_the_guarded_trainers_run_as_the_mode_they_guard(tmp_path):
     trainer = guarded_trainer(tmp_path)
     assert type(trainer).__name__ == "GuardedSyncTrainer" and isinstance(trainer, PPOTrainerSync)
     assert trainer.trainer_mode == "sync" and trainer.parameter_sync_step == 1
