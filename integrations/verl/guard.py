@@ -139,8 +139,8 @@ class VerlGuard:
               ) -> tuple[torch.Tensor, StepReport, RolloutEvidence | None]:
         """Judge one batch (``data``: the padded ``DataProto`` after verl's rollout correction; ``mask_before``: its
         ``response_mask`` before it). Returns the rows to leave out of the advantages ((B,) bool: quarantined rows,
-        widened to their agent sessions, and rows verl's own ``rollout_rs`` rejected whole), the step's report and
-        the evidence."""
+        widened to their agent sessions, and in quarantine mode rows verl's own ``rollout_rs`` rejected whole; in
+        monitor mode none, so that verl trains as it would alone), the step's report and the evidence."""
         rows = len(data)
         evidence: RolloutEvidence | BaseException
         try:
@@ -158,7 +158,8 @@ class VerlGuard:
             quarantined = widen_to_sessions(quarantined, session_of(batch_keys))
         report.metrics["quarantined_with_sessions"] = float(quarantined.sum())
         report.metrics["rejected_by_verl"] = float(rejected.sum())
-        return quarantined | rejected, report, evidence if isinstance(evidence, RolloutEvidence) else None
+        excluded = quarantined | rejected if self.config.quarantines else quarantined
+        return excluded, report, evidence if isinstance(evidence, RolloutEvidence) else None
 
     def metrics(self, report: StepReport) -> dict[str, float]:
         """The step's metrics for verl's metrics dict: finite values, ``rollout_guard/*`` and, for how the detector

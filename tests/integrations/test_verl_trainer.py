@@ -187,23 +187,43 @@ def test_monitor_mode_reports_the_rollout_and_changes_nothing(tmp_path):
     assert torch.equal(read(meta, "advantages")["advantages"], read(verl_meta, "advantages")["advantages"])
 
 
-def test_rows_rejected_whole_by_verls_rollout_rs_leave_the_baseline_too(tmp_path):
+def rs_rejected_rows() -> list[dict]:
+    """Healthy rows, one of which verl's seq_max_k2 veto at 0.02 rejects (0.5·Δ² = 0.08 on one token, the trainer
+    0.4 nat above the engine) while the guard keeps it (a trainer-favouring 0.4 nat, inside the prior's noise)."""
     rows = clean_rows(groups=2, seed=3)
-    # verl's seq_max_k2 veto at 2.0 rejects this row (0.5·Δ² = 3.1 on one token); the guard alone would keep it
     trainer_lp = list(rows[1]["trainer"])
-    trainer_lp[0] = rows[1]["engine"][0] - 2.5
+    trainer_lp[0] = rows[1]["engine"][0] + 0.4
     rows[1] = {**rows[1], "trainer": trainer_lp, "score": 50.0}
-    overrides = ("algorithm.rollout_correction.rollout_rs=seq_max_k2",
-                 "algorithm.rollout_correction.rollout_rs_threshold=2.0", "+rollout_guard.mode=monitor")
-    trainer = guarded_trainer(tmp_path, *overrides)
+    return rows
+
+
+RS = ("algorithm.rollout_correction.rollout_rs=seq_max_k2", "algorithm.rollout_correction.rollout_rs_threshold=0.02")
+
+
+def test_rows_rejected_whole_by_verls_rollout_rs_leave_the_baseline_too(tmp_path):
+    rows = rs_rejected_rows()
+    trainer = guarded_trainer(tmp_path, *RS)
     meta = put_batch("rejected", rows, groups=2)
     metrics: dict = {}
     trainer._compute_advantage(meta, metrics)
     out = read(meta, "advantages", "response_mask")
-    assert metrics["rollout_guard/rejected_by_verl"] == 1 and not out["response_mask"][1].any()
+    assert metrics["rollout_guard/quarantined"] == 0 and metrics["rollout_guard/rejected_by_verl"] == 1
+    assert not out["response_mask"][1].any() and not out["advantages"][1].any()
     kept = torch.tensor([rows[row]["score"] for row in (0, 2, 3)])
     expected = (kept - kept.mean()) / (kept.std() + EPSILON)
     torch.testing.assert_close(first_token(out["advantages"])[[0, 2, 3]], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_monitor_mode_leaves_verls_own_baseline_as_it_is(tmp_path):
+    rows = rs_rejected_rows()
+    plain = PPOTrainerSync(verl_config(tmp_path, "trainer.v1.trainer_mode=sync", *RS))
+    plain.global_steps = 1
+    meta, verl_meta = put_batch("rejected_monitor", rows, groups=2), put_batch("rejected_verl", rows, groups=2)
+    metrics: dict = {}
+    guarded_trainer(tmp_path, *RS, "+rollout_guard.mode=monitor")._compute_advantage(meta, metrics)
+    plain._compute_advantage(verl_meta, {})
+    assert metrics["rollout_guard/rejected_by_verl"] == 1
+    assert torch.equal(read(meta, "advantages")["advantages"], read(verl_meta, "advantages")["advantages"])
 
 
 def test_bypass_mode_checks_the_engine_alone_and_says_so(tmp_path, caplog):
