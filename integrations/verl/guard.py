@@ -216,7 +216,7 @@ class VerlGuard:
             try:
                 decode_records(records, tokenizer)
             except Exception as error:  # noqa: BLE001 - the records stay, without texts
-                self._failure("decoding evidence tokens", error)
+                self.output_failure("decoding evidence tokens", error)
         return records
 
     def full_rows(self, report: StepReport) -> list[int]:
@@ -250,9 +250,9 @@ class VerlGuard:
             try:
                 getattr(sink, event)(*payload)
             except Exception as error:  # noqa: BLE001 - an output failure, not a verdict failure
-                self._failure(f"{type(sink).__name__}.{event}", error)
+                self.output_failure(f"{type(sink).__name__}.{event}", error)
 
-    def _failure(self, what: str, error: BaseException) -> None:
+    def output_failure(self, what: str, error: BaseException) -> None:
         """An output failure: raised with ``strict=True``, else counted in ``output_failures`` and logged."""
         if self.config.strict:
             raise GuardError(f"rollout_guard (strict=True): {what} failed ({type(error).__name__}: {error})") from error

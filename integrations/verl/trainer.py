@@ -142,7 +142,7 @@ class GuardedTrainer:
             data = base.tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["prompts", "responses"])
             prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
         except Exception as error:  # noqa: BLE001 - the records keep their statistics
-            self.rollout_guard._failure("reading evidence tokens", error)
+            self.rollout_guard.output_failure("reading evidence tokens", error)
             return {}
         return {row: (prompts[i], responses[i]) for i, row in enumerate(rows)}
 
