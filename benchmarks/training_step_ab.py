@@ -40,7 +40,7 @@ transformers and TRL.
 
     python benchmarks/training_step_ab.py --steps 60 --out runs/training_step_ab.json
     python benchmarks/training_step_ab.py --engine transformers --device cuda --steps 40 --batch 64 --group 8 \
-        --max-seconds 170 --plain-steps 2 --out runs/training_step_ab_gpu.json
+        --warmup 2 --max-seconds 130 --plain-steps 2 --out runs/training_step_ab_gpu.json
 """
 
 from __future__ import annotations
