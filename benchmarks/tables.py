@@ -51,6 +51,15 @@ def results(root: Path, benchmark: str) -> tuple[dict, str]:
     return read_results(path), path.relative_to(root).as_posix()
 
 
+def every_result(root: Path, benchmark: str) -> list[tuple[dict, str]]:
+    """The results of a benchmark with one results file per set-up (``training_step_ab``: ``cpu.json.gz`` and a
+    GPU's), each with its path relative to ``root``, in order of name."""
+    found = sorted((root / "benchmarks" / "results" / benchmark).glob("*.json.gz"))
+    if not found:
+        raise FileNotFoundError(f"benchmarks/results/{benchmark}/ holds no results file")
+    return [(read_results(path), path.relative_to(root).as_posix()) for path in found]
+
+
 # Number formats.
 
 def thousands(value: float) -> str:
@@ -136,8 +145,9 @@ def statistics_speed(root: Path) -> list[str]:
 
 def cost_summary(root: Path) -> list[str]:
     """The README's costs measured by benchmarks with a committed results file: the guard's step against TRL's ops
-    (``statistics_speed``), whole training steps with and without the guard (``training_step_ab``) and the engine
-    context's host work (``engine_context``)."""
+    (``statistics_speed``), whole training steps with and without the guard (``training_step_ab``, one row per
+    results file: the demo's small set-up, then a GPU's large one) and the engine context's host work
+    (``engine_context``)."""
     speed, speed_path = results(root, "statistics_speed")
     sizes = speed["rows"]
 
@@ -157,19 +167,10 @@ def cost_summary(root: Path) -> list[str]:
         + (f"{len(at_most)} of {len(sizes)} sizes" if at_most else "no size")
         + " ([details](docs/detector.md#implementation-and-speed))")
 
-    ab, ab_path = results(root, "training_step_ab")
-    median, quartiles = ab["step_ms_median"], ab["step_ms_quartiles"]
-    after = ab["after_last_step_s"]
-    ab_cell = (
-        f"the demo's set-up, {ab['steps']} steps alternating in one run ({ab['steps_compared']['judged']} judged and "
-        f"{ab['steps_compared']['passed']} passed compared): median step {fixed(median['judged'], 1)} ms judged "
-        f"against {fixed(median['passed'], 1)} ms passed straight to the loss "
-        f"({signed(ab['step_ms_difference'], 1)} ms; "
-        f"quartiles {fixed(quartiles['judged'][0], 1)}–{fixed(quartiles['judged'][2], 1)} against "
-        f"{fixed(quartiles['passed'][0], 1)}–{fixed(quartiles['passed'][2], 1)} ms), next to the guard's own timers: "
-        f"`inspect` {fixed(ab['guard_seconds_ms_median'], 1)} ms, the adapter's whole step "
-        f"{fixed(ab['adapter_overhead_ms_median'], 1)} ms; `train()` returns {seconds(after['guarded'])} after its "
-        f"last step with the guard (writer flush, final charts, summary) against {seconds(after['plain'])} without")
+    ab_rows = [[f"whole training steps with and without the guard, {training_step_scale(ab)} scale "
+                f"(`benchmarks/training_step_ab.py`, `{ab_path}`)", training_step_cell(ab)]
+               for ab, ab_path in sorted(every_result(root, "training_step_ab"),
+                                         key=lambda found: found[0].get("engine") == "transformers")]
 
     engine, engine_path = results(root, "engine_context")
     host = engine["host"]
@@ -181,8 +182,50 @@ def cost_summary(root: Path) -> list[str]:
         "no extra engine call ([details](docs/engine-context.md))")
     return table(["measured by (results file)", "figure"], [
         [f"guard step vs TRL's own mismatch-metric ops (`benchmarks/statistics_speed.py`, `{speed_path}`)", speed_cell],
-        [f"whole training steps with and without the guard (`benchmarks/training_step_ab.py`, `{ab_path}`)", ab_cell],
+        *ab_rows,
         [f"engine context, vLLM colocate (`benchmarks/engine_context_overhead.py`, `{engine_path}`)", engine_cell]])
+
+
+def training_step_scale(ab: dict) -> str:
+    """``small`` for the demo's set-up (vLLM CPU), ``large`` for a GPU's (``--engine transformers``)."""
+    return "large" if ab.get("engine") == "transformers" else "small"
+
+
+def training_step_cell(ab: dict) -> str:
+    """One ``training_step_ab.py`` results file: the set-up, the median step judged and passed with their difference
+    and quartiles, the guard's own timers, and the time ``train()`` takes after its last step."""
+    median, quartiles = ab["step_ms_median"], ab["step_ms_quartiles"]
+    after = ab["after_last_step_s"]
+    decimals = 1 if median["passed"] < 1000 else 0
+
+    def ms(value: float) -> str:
+        return fixed(value, decimals)
+
+    if ab.get("engine") == "transformers":
+        model = ab["model"]
+        millions = model["parameters"] / 1e6
+        setup = (f"{ab['card'] or ab['device']}, the transformers engine (`TransformersRollouts`) sampling from a "
+                 f"random {fixed(millions, 0 if millions >= 10 else 2)} M-parameter Qwen2-architecture model "
+                 f"({model['num_layers']} layers, hidden {model['hidden_size']}, vocabulary "
+                 f"{thousands(model['vocab_size'])}) in {model['dtype']}, {ab['rollouts_per_step']} rollouts of "
+                 f"{ab['completion_tokens']} tokens after {ab['prompt_tokens']}-token prompts per step, "
+                 f"{percent(ab['injected']['rate'], 0)} injected, {ab['steps']} steps")
+        own = ("; the guard's step includes its extra no-grad forward pass over the batch (TRL computes no trainer "
+               "logprobs without vLLM)" if ab.get("extra_forward") else "")
+    else:
+        setup, own = f"the demo's set-up, {ab['steps']} steps", ""
+    plain = "" if ab.get("plain_steps", ab["steps"]) == ab["steps"] else f" (a {ab['plain_steps']}-step run)"
+    return (
+        f"{setup} alternating in one run ({ab['steps_compared']['judged']} judged and "
+        f"{ab['steps_compared']['passed']} passed compared): median step {ms(median['judged'])} ms judged against "
+        f"{ms(median['passed'])} ms passed straight to the loss (**{signed(ab['step_ms_difference'], decimals)} ms, "
+        f"{signed(100 * ab['step_ms_difference'] / median['passed'], 1)} %**; quartiles "
+        f"{ms(quartiles['judged'][0])}–{ms(quartiles['judged'][2])} against "
+        f"{ms(quartiles['passed'][0])}–{ms(quartiles['passed'][2])} ms), next to the guard's own timers: `inspect` "
+        f"{fixed(ab['guard_seconds_ms_median'], 1)} ms, the adapter's whole step "
+        f"{fixed(ab['adapter_overhead_ms_median'], 1)} ms{own}; `train()` returns {seconds(after['guarded'])} after "
+        f"its last step with the guard (writer flush, final charts, summary) against {seconds(after['plain'])} "
+        f"without{plain}")
 
 
 def engine_context(root: Path) -> list[str]:
