@@ -49,6 +49,7 @@ CASES = {
     "zero_tolerance": (12, 300, 4, 0.0, 1, 2.0),
     "many_chunks": (10, 2600, 5, 0.0, 2),
     "many_chunks_in_tiles": (10, 2600, 6, 0.0, 2),
+    "many_rows": (140, 300, 7, 0.0, 1),  # the batch's aggregates read in several tiles of rows (fused.ROW_TILE)
 }
 TILES = {"many_chunks_in_tiles": 2}  # a row's chunk partials read this many at a time (fused.CHUNK_BLOCK)
 
