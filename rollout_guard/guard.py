@@ -29,7 +29,7 @@ from rollout_guard.detector.score import NUM_REGIONS
 from rollout_guard.errors import GuardError, GuardInputError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.outcomes import outcome_sums
-from rollout_guard.packet import (PacketLayout, aggregate, empty_packet, packet_dtype,
+from rollout_guard.packet import (PacketLayout, combine_aggregates, empty_packet, packet_dtype, partial_aggregates,
                                   step_metrics)
 from rollout_guard.statistics import COLUMN, NUM_DELTA_BINS, SAMPLE_COLUMNS, summarise
 from rollout_guard.verdict import RULES, fired_rules
@@ -209,6 +209,7 @@ class RolloutGuard:
         self.noise_resets = 0
         self.last_guard_seconds = 0.0
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
+        self._heads: dict[torch.device, torch.Tensor] = {}  # per device, a packet's head: status ok, no check flag
 
     def inspect(self, evidence: RolloutEvidence | BaseException, step: int, batch_size: int | None = None,
                 check_failed: torch.Tensor | bool | int = False,
@@ -244,7 +245,7 @@ class RolloutGuard:
         elif check_failed:
             packet[1:2] = float(check_failed)
         # this rank's verdicts as a device mask, taken before the gather's wait (no host→device copy after it)
-        local = packet[PacketLayout(batch).reasons] != 0 if self.config.quarantines else None
+        local = packet[PacketLayout.of(batch).reasons] != 0 if self.config.quarantines else None
         gathered = self.sync(packet)
         try:
             return self.compute(step, batch, gathered, error, started, local, extras)
@@ -289,18 +290,24 @@ class RolloutGuard:
             detector.to(evidence.device)
         judgement = detector.judge(evidence.engine_logprobs, evidence.trainer_logprobs, evidence.mask,
                                    evidence.injected)
-        samples, histogram = summarise(evidence, judgement)
         dtype = packet_dtype(evidence.device)
-        head = torch.zeros(2, dtype=dtype, device=evidence.device)
-        head[:1].fill_(STATUS_OK)  # a fill kernel: no host→device copy, no host sync
+        head = self._heads.get(evidence.device)
+        if head is None:
+            head = torch.zeros(2, dtype=dtype, device=evidence.device)
+            head[:1].fill_(STATUS_OK)  # a fill kernel: no host→device copy, no host sync
+            self._heads[evidence.device] = head
+        if judgement.record is not None and judgement.record.dtype == dtype:  # the fused step's, in packet order
+            return torch.cat([head, judgement.record])
+        samples, histogram = summarise(evidence, judgement)
         noise = torch.cat([judgement.noise.centre, judgement.noise.scale, judgement.growth])
         return torch.cat([head, samples.flatten().to(dtype), judgement.reasons.to(dtype), histogram.to(dtype),
-                          judgement.kept_counts.flatten().to(dtype), noise.to(dtype)])
+                          judgement.kept_counts.flatten().to(dtype), noise.to(dtype),
+                          partial_aggregates(samples, judgement.reasons).to(dtype)])
 
     def compute(self, step: int, batch: int, gathered: torch.Tensor, error: BaseException | None,
                 started: float, local: torch.Tensor | None, extras: int = 0) -> StepReport:
         """The step's report from every process's packet; the detector learns the kept rows of the global batch."""
-        layout = PacketLayout(batch)
+        layout = PacketLayout.of(batch)
         width = layout.width
         # the one host sync: statuses, check flags, statistics, verdicts, histogram and noise in one copy
         host = gathered.cpu()
@@ -309,10 +316,10 @@ class RolloutGuard:
             return self._failed_step(step, batch, host[:, :2], error, started)
         reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
         judged_with = None
-        if bool(reasons_host.any()):  # a device copy of the state before the update: no host sync
-            judged_with = {name: getattr(self.detector, name).clone() for name in self.detector.STATE}
-        # on the device, from the gathered packets: the same sum on every rank, no host→device copy
-        self.detector.update(gathered[:, layout.counts].sum(dim=0).view(NUM_REGIONS, NUM_BINS))
+        if bool(reasons_host.any()):  # the state before the update, which replaces the tensors (never writes them)
+            judged_with = {name: getattr(self.detector, name) for name in self.detector.STATE}
+        # on the device, from the gathered packets (summed over ranks there): the same on every rank, no host copy
+        self.detector.update(gathered[:, layout.counts].view(-1, NUM_REGIONS, NUM_BINS))
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
         suspect_host = reasons_host != 0
         if self.config.quarantines:  # from the device copy (inspect): no host→device transfer
@@ -334,7 +341,7 @@ class RolloutGuard:
             detector_state=judged_with,
             row_extras=host[:, layout.size:].reshape(-1, extras).double() if extras else None,
         )
-        report.metrics = step_metrics(aggregate(report.samples, reasons_host), host.shape[0] * batch,
+        report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates]), host.shape[0] * batch,
                                       histogram.tolist(), self.config.quarantines)
         self.totals.consecutive_failures = 0
         report.metrics["guarded"] = 1.0

@@ -80,8 +80,8 @@ def _at_least_one_column(evidence: RolloutEvidence) -> RolloutEvidence:
 
 
 def summarise(evidence: RolloutEvidence, judgement: Judgement) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-rollout statistics, (B, len(SAMPLE_COLUMNS)) float32, and the |Δ| histogram of the compared tokens,
-    (NUM_DELTA_BINS,) int64 counts; on the evidence's device, no host sync.
+    """Per-rollout statistics, (B, len(SAMPLE_COLUMNS)) float32 (float64 from the fused step on CUDA), and the |Δ|
+    histogram of the compared tokens, (NUM_DELTA_BINS,) int64 counts; on the evidence's device, no host sync.
 
     >>> from rollout_guard.detector import Detector
     >>> engine = torch.full((2, 4), -0.2); trainer = engine.clone(); trainer[1, 2] = -9.0

@@ -1,6 +1,6 @@
 """The fused detector step (Triton kernels, rollout_guard.detector.fused) equals the torch reference: the
-judgement, the per-row statistics and the histograms, on healthy, corrupted and borderline batches, in Triton's
-interpreter on the CPU (the GPU benchmark compares them on the device)."""
+judgement, the per-row statistics, the histograms and the learned state, on healthy, corrupted and borderline
+batches; in Triton's interpreter on the CPU, and on the GPU where there is one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from rollout_guard.detector import RULE_BIT, Detector
 from rollout_guard.evidence import RolloutEvidence
+from rollout_guard.packet import AGGREGATES, partial_aggregates
 from rollout_guard.statistics import COLUMN, summarise
 
 
@@ -46,10 +47,15 @@ CASES = {
     "offset_centre": (10, 300, 2, 1.3, 2),
     "single_block": (9, 250, 3, 0.0, 1),
     "zero_tolerance": (12, 300, 4, 0.0, 1, 2.0),
+    "many_chunks": (10, 2600, 5, 0.0, 2),
+    "many_chunks_in_tiles": (10, 2600, 6, 0.0, 2),
+    "many_rows": (140, 300, 7, 0.0, 1),  # the batch's aggregates read in several tiles of rows (fused.ROW_TILE)
 }
+TILES = {"many_chunks_in_tiles": 2}  # a row's chunk partials read this many at a time (fused.CHUNK_BLOCK)
 
 
-def _case(name: str) -> None:
+def _case(name: str, device: str = "cpu") -> None:
+    """The reference on the CPU against the fused step on ``device`` (the CPU: Triton's interpreter)."""
     from rollout_guard.detector import fused
 
     rows, length, seed, offset, warm, *tolerance = CASES[name]
@@ -58,26 +64,52 @@ def _case(name: str) -> None:
     for step in range(warm):
         engine, trainer, mask = _batch(rows, length, 100 + step, offset)
         reference.update(reference.judge(engine, trainer, mask).kept_counts)
-    candidate = Detector(tolerance=tolerance)
+    candidate = Detector(tolerance=tolerance, device=device)
     candidate.load_state_dict(reference.state_dict())
     engine, trainer, mask = _batch(rows, length, seed, offset)
     injected = _corrupt(engine, trainer, mask)
     expected = reference.judge(engine, trainer, mask, injected)
     samples, histogram = summarise(RolloutEvidence(mask, engine, trainer, injected), expected)
-    got = candidate._judge_fused(engine, trainer, mask, injected)
+    tiles = fused.CHUNK_BLOCK
+    fused.CHUNK_BLOCK = TILES.get(name, tiles)
+    try:
+        got = candidate._judge_fused(engine.to(device), trainer.to(device), mask.to(device), injected.to(device))
+    finally:
+        fused.CHUNK_BLOCK = tiles
+    got = type(got)(*(value.cpu() if isinstance(value, torch.Tensor) else value for value in got))
     assert got.reasons.tolist() == expected.reasons.tolist()
     assert got.onset.tolist() == expected.onset.tolist()
     torch.testing.assert_close(got.score, expected.score, atol=2e-3, rtol=1e-4)
-    torch.testing.assert_close(got.samples, samples, atol=2e-3, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(got.samples, samples.double(), atol=2e-3, rtol=1e-4, equal_nan=True)
     assert torch.equal(got.delta_histogram, histogram)
     assert torch.equal(got.kept_counts, expected.kept_counts)
-    torch.testing.assert_close(got.noise.centre, expected.noise.centre)
-    torch.testing.assert_close(got.noise.scale, expected.noise.scale)
+    torch.testing.assert_close(got.noise.centre.cpu(), expected.noise.centre)
+    torch.testing.assert_close(got.noise.scale.cpu(), expected.noise.scale)
+    torch.testing.assert_close(got.noise.tokens.cpu(), expected.noise.tokens)
     torch.testing.assert_close(got.growth, expected.growth, equal_nan=True)
-    # the learned state is the same either way
+    # the packet's order: statistics, verdict bits, |Δ| histogram, kept histogram, noise, aggregates
+    width = len(fused.ROW_COLUMNS)
+    torch.testing.assert_close(got.record[: rows * width], got.samples.flatten(), rtol=0, atol=0, equal_nan=True)
+    assert got.record[rows * width: rows * (width + 1)].tolist() == got.reasons.double().tolist()
+    noise = torch.cat([got.noise.centre.cpu(), got.noise.scale.cpu(), got.growth])
+    torch.testing.assert_close(got.record[-len(AGGREGATES) - len(noise): -len(AGGREGATES)], noise.double(), rtol=0,
+                               atol=0, equal_nan=True)
+    # the batch's aggregates, computed on the device with the verdict
+    torch.testing.assert_close(got.record[-len(AGGREGATES):], partial_aggregates(samples, expected.reasons),
+                               atol=2e-3, rtol=1e-4)
+    # the learned state is the same either way: the learning kernel, from one and from three processes' histograms
+    state, early = candidate.counts, candidate.early_scale
     reference.update(expected.kept_counts)
-    candidate.update(got.kept_counts)
-    torch.testing.assert_close(candidate.counts, reference.counts)
+    candidate.update(got.kept_counts.to(device))
+    torch.testing.assert_close(candidate.counts.cpu(), reference.counts)
+    torch.testing.assert_close(candidate.early_scale.cpu(), reference.early_scale)
+    early_tokens = state.sum(1).max().item() + 1.0  # a region reaches it with this step's tokens: the scale recorded
+    by_ranks = torch.stack([got.kept_counts, torch.zeros_like(got.kept_counts), got.kept_counts]).to(device)
+    counts, scale = fused.learn_on_device(state, early, by_ranks, early_tokens)
+    want_counts, want_scale = fused.learn(state.cpu(), early.cpu(), 2 * got.kept_counts, early_tokens)
+    torch.testing.assert_close(counts.cpu(), want_counts)
+    torch.testing.assert_close(scale.cpu(), want_scale)
+    assert (want_scale != early.cpu()).any() or not got.kept_counts.any()
     assert fused.ROW_COLUMNS[COLUMN["score"]] == "score"
     suspect = (expected.reasons != 0).tolist()
     assert suspect[:9] == [False] + [True] * 6 + [False, True] and not any(suspect[9:]), suspect  # row 7 reads none
@@ -92,7 +124,16 @@ def test_the_fused_step_equals_the_torch_reference_in_the_interpreter():
     from tests.triton_interpreter import check_in_interpreter
 
     pytest.importorskip("triton")
-    check_in_interpreter(__file__, list(CASES), timeout=600)
+    check_in_interpreter(__file__, list(CASES), timeout=900)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_fused_step_equals_the_torch_reference_on_the_gpu(name: str):
+    """The same, compiled, on a CUDA device."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _case(name, "cuda")
 
 
 if __name__ == "__main__":

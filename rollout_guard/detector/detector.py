@@ -32,13 +32,15 @@ over the run, two-sided, would otherwise be learned as healthy noise)."""
 class Judgement(NamedTuple):
     score: torch.Tensor  # (B,) float32 ln Λ (rollout_guard.detector.score); −inf without a read token
     onset: torch.Tensor  # (B,) int64: the token where the disagreement most likely starts; −1 without one
-    excess: torch.Tensor  # (B,) float32: the most engine-favouring token's distance from the centre, in scales
+    excess: torch.Tensor  # (B,) float32 (float64 on CUDA): the most engine-favouring token's distance from the
+    # centre, in scales
     reasons: torch.Tensor  # (B,) int32 bitmask over RULES; nonzero: suspect
     kept_counts: torch.Tensor  # (NUM_REGIONS, NUM_BINS) float64: the kept rows' d histogram, to sum over processes
     noise: Noise  # the healthy noise the rows were judged against (the run's, this batch's tokens included)
     growth: torch.Tensor  # (NUM_REGIONS,) the run's noise scale over its early level (Detector.grown)
-    samples: torch.Tensor | None = None  # (B, len(fused.ROW_COLUMNS)) float32 per-row statistics, on CUDA
+    samples: torch.Tensor | None = None  # (B, len(fused.ROW_COLUMNS)) float64 per-row statistics, on CUDA
     delta_histogram: torch.Tensor | None = None  # (NUM_DELTA_BINS,) int64 |Δ| histogram of the read tokens, on CUDA
+    record: torch.Tensor | None = None  # (fused.record_size(B),) float64, on CUDA: the packet after its head
 
     @property
     def suspect(self) -> torch.Tensor:
@@ -89,12 +91,10 @@ class Detector:
         """Forget the run's noise (back to the prior): when the sampling settings or the engine change."""
         for name, shape in self.STATE.items():
             setattr(self, name, torch.zeros(shape, dtype=torch.float64, device=self.device))
-        self._graphs: dict[str, fused.Graphed] = {}
 
     def to(self, device: torch.device | str) -> Detector:
         """Move the state to ``device`` (in place; returns self)."""
         self.device = torch.device(device)
-        self._graphs = {}
         for name in self.STATE:
             setattr(self, name, getattr(self, name).to(self.device))
         return self
@@ -122,8 +122,8 @@ class Detector:
         corruption mostly does not reach), so that a run broken from its first step is judged against its own
         noise. On a CUDA device with Triton, both sides present, the step runs fused (:mod:`.fused`) and the
         judgement also carries the rows' statistics (``injected``: (B,) labels for their column)."""
-        if (engine is not None and trainer is not None and engine.shape[-1] > 0 and engine.shape == trainer.shape
-                and fused.available(engine.device)):
+        if (engine is not None and trainer is not None and engine.dim() == 2 and engine.shape[0] > 0
+                and engine.shape[-1] > 0 and engine.shape == trainer.shape and fused.available(engine.device)):
             return self._judge_fused(engine, trainer, mask, injected)
         mask = mask.bool()
         both = engine is not None and trainer is not None
@@ -163,41 +163,27 @@ class Detector:
             return torch.zeros(delta.shape[0], dtype=torch.int32, device=delta.device)
         return ((delta.abs() > self.tolerance) & read).any(-1).int() * RULE_BIT["tolerance"]
 
-    def _graphed(self, name: str, fn, *examples: torch.Tensor) -> fused.Graphed:
-        if name not in self._graphs:
-            self._graphs[name] = fused.Graphed(fn, *examples)
-        return self._graphs[name]
-
     def _judge_fused(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor,
                      injected: torch.Tensor | None) -> Judgement:
-        engine, trainer, mask = engine.contiguous(), trainer.contiguous(), mask.contiguous()
-        batch, delta_histogram = fused.token_histograms(engine, trainer, mask)
-        if not self.batch_noise:
-            batch = torch.zeros_like(batch)
-        args = (self.counts, batch, self.early_scale)
-        tables = self._graphed("tables", fused.noise_tables, *args)(*args)
-        summary = tables.noise.clone()  # the graph's outputs are overwritten by its next replay
-        rows = fused.judge_rows(engine, trainer, mask, injected, tables, self.threshold, self.ceiling)
-        if self.tolerance is not None:
-            # the kernel sets the other rules' bits; the tolerance bit is one elementwise comparison, applied here in
-            # torch, before the kept rows' histogram is taken, so that a flagged row teaches the noise nothing
-            read = mask.bool() & torch.isfinite(engine) & torch.isfinite(trainer)
-            rows = rows._replace(reasons=rows.reasons | self._beyond_tolerance(engine - trainer, read))
-        kept, _ = fused.token_histograms(engine, trainer, mask, rows.reasons, with_delta=False)
-        noise = Noise(summary[0], summary[1], torch.full_like(summary[0], math.nan))
-        excess = rows.samples[:, fused.ROW_COLUMNS.index("excess")]
-        return Judgement(rows.score, rows.onset, excess, rows.reasons, kept, noise, summary[2], rows.samples,
-                         delta_histogram)
+        step = fused.judge(engine.contiguous(), trainer.contiguous(), mask.contiguous(), injected, self.counts,
+                           self.early_scale, self.threshold, self.ceiling, self.tolerance, self.batch_noise,
+                           EARLY_TOKENS)
+        noise = Noise(step.summary[0], step.summary[1], step.tokens)
+        excess = step.samples[:, fused.ROW_COLUMNS.index("excess")]
+        return Judgement(step.score, step.onset, excess, step.reasons, step.kept, noise, step.summary[2],
+                         step.samples, step.delta_histogram, step.record)
 
     def update(self, kept_counts: torch.Tensor) -> None:
-        """Learn from a step's kept tokens: ``kept_counts`` summed over every process (the same on each), so that
-        every process holds the same state."""
-        if fused.available(self.counts.device):  # one graph replay; its outputs copied out of the graph's pool
-            args = (self.counts, self.early_scale, kept_counts.to(self.counts))
-            counts, early = self._graphed("learn", _learn, *args)(*args)
-            self.counts, self.early_scale = counts.clone(), early.clone()
+        """Learn from a step's kept tokens: ``kept_counts`` (NUM_REGIONS, NUM_BINS) summed over every process (the
+        same on each), or (P, NUM_REGIONS, NUM_BINS), one per process, summed here; so that every process holds the
+        same state. The state tensors are replaced, never written into: a reference taken before stays the state
+        a step was judged against."""
+        if fused.available(self.counts.device):  # one launch
+            self.counts, self.early_scale = fused.learn_on_device(self.counts, self.early_scale, kept_counts,
+                                                                  EARLY_TOKENS)
             return
-        self.counts, self.early_scale = _learn(self.counts, self.early_scale, kept_counts.to(self.counts))
+        kept = kept_counts.to(self.counts)
+        self.counts, self.early_scale = _learn(self.counts, self.early_scale, kept.sum(0) if kept.dim() == 3 else kept)
 
     def grown(self) -> torch.Tensor:
         """(NUM_REGIONS,) the run's noise scale over its early level per region (NaN before the early level is
