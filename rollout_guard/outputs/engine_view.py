@@ -252,7 +252,8 @@ class EngineContextSink(Sink):
                 self._add_history(row)
 
     def draw(self) -> list[Path]:
-        """Redraw both charts from what this run wrote (needs matplotlib, the ``charts`` extra)."""
+        """Redraw both charts from the rows held (:attr:`history`, :attr:`samples`; needs matplotlib, the ``charts``
+        extra)."""
         try:
             from rollout_guard.outputs.charts import engine_chart, engine_samples_chart
         except ImportError:
