@@ -180,6 +180,57 @@ def test_engine_sink_writes_rows_and_survives_a_resume(tmp_path):
     assert (tmp_path / "engine.png").is_file() and (tmp_path / "engine_samples.png").is_file()
 
 
+def _engine_report(step: int, suspect_rows: list[int], rows: int = 8) -> SimpleNamespace:
+    """A judged step as ``EngineContextSink.on_step`` reads it: ``rows`` rollouts, ``suspect_rows`` of them suspect
+    (|Δ| 10 nats, the others 0.01)."""
+    import torch
+
+    from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
+
+    suspect = torch.zeros(rows, dtype=torch.bool)
+    suspect[suspect_rows] = True
+    samples = torch.zeros(rows, len(SAMPLE_COLUMNS), dtype=torch.float64)
+    samples[:, COLUMN["max_abs_delta"]] = torch.where(suspect, 10.0, 0.01)
+    context = SimpleNamespace(rows=[{"weight_version": step, "kv_cache_usage_max": 0.25}] * rows, injected=None)
+    return SimpleNamespace(step=step, skipped=False, local_rows=slice(0, rows), samples=samples, suspect=suspect,
+                           quarantined=suspect, engine_context=context,
+                           metrics={"max_abs_delta": 10.0 if suspect_rows else 0.01,
+                                    "quarantined_share": len(suspect_rows) / rows, "engine/weight_version": float(step)})
+
+
+def test_engine_sink_charts_stay_bounded_over_a_long_run_and_keep_the_suspect_steps(tmp_path, monkeypatch):
+    """The engine charts are redrawn every ``chart_every_steps`` steps during training: the rows they are drawn
+    from (and the sink holds) stay at most ``HISTORY_ROWS`` steps and ``SAMPLE_ROWS`` rollouts whatever the step
+    count, and keep every step with suspect rollouts; a sink resumed from the files holds the same rows."""
+    from rollout_guard.guard import HISTORY_ROWS
+    from rollout_guard.outputs import charts
+    from rollout_guard.outputs.engine_view import SAMPLE_ROWS, EngineContextSink
+
+    drawn: dict[str, int] = {}
+    monkeypatch.setattr(charts, "engine_chart", lambda rows, path, title="": drawn.update(steps=len(rows)) or path)
+    monkeypatch.setattr(charts, "engine_samples_chart",
+                        lambda rows, path, title="": drawn.update(rollouts=len(rows)) or path)
+    steps = 5 * HISTORY_ROWS // 2
+    spikes = {700: [1, 6], steps // 2: [3], steps - 3: [0]}
+    sink = EngineContextSink(tmp_path, chart_every_steps=10 * steps)
+    most = 0
+    with (tmp_path / "metrics.jsonl").open("w") as metrics:
+        for step in range(1, steps + 1):
+            report = _engine_report(step, spikes.get(step, []))
+            metrics.write(json.dumps({"step": step, **report.metrics}) + "\n")
+            sink.on_step(report, None)
+            most = max(most, len(sink.history))
+    sink.draw()
+    assert most < HISTORY_ROWS and 0 < drawn["steps"] < HISTORY_ROWS
+    assert 0 < drawn["rollouts"] <= SAMPLE_ROWS
+    assert {int(row["step"]) for row in sink.history if row["quarantined_share"] > 0} == set(spikes)
+    # of neighbouring rollouts the worst is kept: each step with suspect rollouts keeps one at least
+    assert {row["step"] for row in sink.samples if row["suspect"]} == set(spikes)
+    resumed = EngineContextSink(tmp_path, chart_every_steps=10 * steps)
+    resumed.on_resume(steps, None)
+    assert resumed.history == sink.history and resumed.samples == sink.samples
+
+
 def test_engine_sink_joins_a_lagging_step_to_its_own_context(tmp_path):
     """The sink runs on the background writer, which may reach a step after the training thread has the next step's
     engine context (and, between steps, none): each line must carry the context of its own step. Found as a

@@ -149,6 +149,20 @@ def _floored(values: Sequence[float]) -> list[float]:
     return [value if math.isnan(value) else max(value, DELTA_FLOOR) for value in values]
 
 
+def _edges(steps: Sequence[float]) -> list[float]:
+    """Bin edges around ascending steps: halfway between neighbours, half a gap (or 0.5) beyond the first and last.
+
+    >>> _edges([1, 2, 4])
+    [0.5, 1.5, 3.0, 5.0]
+    """
+    if not steps:
+        return [0.0]
+    inner = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    first = steps[0] - ((inner[0] - steps[0]) if inner else 0.5)
+    last = steps[-1] + ((steps[-1] - inner[-1]) if inner else 0.5)
+    return [first, *inner, last]
+
+
 def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """The mismatch next to the engine's state, per step (rows of :func:`rollout_guard.outputs.engine_view.engine_history`).
     Top: max |Δ| (log, left) and quarantined share (right). Middle: KV-cache usage (max and mean over the step's
@@ -162,8 +176,9 @@ def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> 
         top.set_yscale("log")
     top.set_ylabel("max |Δ| per step (nats)")
     share = top.twinx()
-    share.bar(steps, [100 * v for v in _column(history, "quarantined_share")], color="#d62728", alpha=0.3, width=0.6,
-              label="quarantined share (%)")
+    # one filled outline for the whole series, not one bar per step: each row's area reaches halfway to its neighbours
+    share.stairs([100 * v for v in _column(history, "quarantined_share")], _edges(steps), fill=True, color="#d62728",
+                 alpha=0.3, label="quarantined share (%)")
     share.set_ylabel("quarantined (%)")
     share.set_ylim(0, 100)
     top.set_title(title or "Mismatch against the engine's state per step")

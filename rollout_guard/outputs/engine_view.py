@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rollout_guard.guard import HISTORY_ROWS
 from rollout_guard.outputs.records import json_safe
 from rollout_guard.statistics import COLUMN
 from rollout_guard.outputs.sinks import Sink
@@ -27,11 +28,82 @@ HISTORY_KEYS = ("max_abs_delta", "quarantined_share", "suspect_share", "engine/k
                 "engine/weight_version", "engine/preemptions",
                 "engine/prefix_cache_hit_share", "engine/kv_cache_usage", "engine/running_requests")
 SAMPLES_FILE = "engine_samples.jsonl"
+SAMPLE_ROWS = 4096
+"""rollouts. :class:`EngineContextSink` keeps at most this many rows for the per-rollout chart it redraws during
+training (:class:`WorstRows`; the step chart keeps at most ``HISTORY_ROWS``); ``engine_samples.jsonl`` keeps every
+rollout."""
 
 
 def _number(value: Any) -> float:
     return (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             else math.nan)
+
+
+def _size(value: Any) -> float:
+    """A value to rank rows by: the number, or −inf where it is missing or not finite."""
+    number = _number(value)
+    return -math.inf if math.isnan(number) else number
+
+
+class WorstRows:
+    """At most ``limit`` rows spread over everything added, for a chart redrawn during a run. One row per added row
+    until ``limit`` rows are held; then each two neighbouring rows become the worse of them (the larger ``key``, the
+    earlier on ties) and every later row stands for twice as many added rows (:attr:`stride`, doubled at each
+    fill). Memory and the time to draw the rows therefore stay flat over any number of steps, and a bad row is
+    hidden only by a worse neighbour.
+
+    >>> rows = WorstRows(4, key=lambda row: row["bad"])
+    >>> for step in range(1, 11):
+    ...     rows.add({"step": step, "bad": 1.0 if step == 6 else 0.0})
+    >>> [row["step"] for row in rows.rows], rows.stride, rows.added
+    ([1, 6, 9], 4, 10)
+    """
+
+    def __init__(self, limit: int, key: Callable[[Any], Any]) -> None:
+        if limit < 2:
+            raise ValueError(f"limit={limit!r}: use at least 2 rows")
+        self.limit, self.key = limit, key
+        self.stride = 1  # added rows per held row
+        self.added = 0
+        self._rows: list[Any] = []
+        self._spans: list[int] = []  # added rows each held row stands for
+
+    @property
+    def rows(self) -> list[Any]:
+        """The held rows, in the order added (a new list)."""
+        return list(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, row: Any) -> None:
+        self.added += 1
+        if self._rows and self._spans[-1] < self.stride:
+            self._rows[-1] = max(self._rows[-1], row, key=self.key)
+            self._spans[-1] += 1
+        else:
+            self._rows.append(row)
+            self._spans.append(1)
+        if len(self._rows) >= self.limit:
+            pairs = range(0, len(self._rows), 2)
+            self._rows = [max(self._rows[i:i + 2], key=self.key) for i in pairs]
+            self._spans = [sum(self._spans[i:i + 2]) for i in pairs]
+            self.stride *= 2
+
+
+def _step_badness(row: dict[str, float]) -> tuple[float, float, float]:
+    return _size(row.get("quarantined_share")), _size(row.get("suspect_share")), _size(row.get("max_abs_delta"))
+
+
+def _rollout_badness(row: dict[str, Any]) -> tuple[bool, float]:
+    return bool(row.get("suspect")), _size(row.get("max_abs_delta"))
+
+
+def _engine_row(row: dict[str, Any]) -> dict[str, float] | None:
+    """A ``metrics.jsonl`` row as the engine chart draws it (NaN where missing); None without any ``engine/`` value."""
+    if not any(key.startswith(ENGINE_PREFIX) for key in row):
+        return None
+    return {"step": row["step"], **{key: _number(row.get(key)) for key in HISTORY_KEYS}}
 
 
 def engine_history(metrics_rows: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
@@ -43,12 +115,7 @@ def engine_history(metrics_rows: Iterable[dict[str, Any]]) -> list[dict[str, flo
     >>> [(row["step"], row["engine/weight_version"], row["quarantined_share"]) for row in engine_history(rows)]
     [(1, 1.0, 0.0), (2, 2.0, 0.5)]
     """
-    history = []
-    for row in metrics_rows:
-        if not any(key.startswith(ENGINE_PREFIX) for key in row):
-            continue
-        history.append({"step": row["step"], **{key: _number(row.get(key)) for key in HISTORY_KEYS}})
-    return history
+    return [engine for engine in map(_engine_row, metrics_rows) if engine is not None]
 
 
 def sample_rows(lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,14 +164,20 @@ def samples_line(step: int, rows: range, samples: Any, suspect: Any, quarantined
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    if path.is_file():
-        for line in path.read_bytes().split(b"\n"):
-            try:
-                rows.append(json.loads(line)) if line.strip() else None
-            except ValueError:
-                continue
-    return rows
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON lines of ``path``, one at a time (none if it does not exist); lines that are not JSON are skipped."""
+    if not path.is_file():
+        return
+    with path.open("rb") as handle:
+        for line in handle:
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue
 
 
 class EngineContextSink(Sink):
@@ -115,7 +188,12 @@ class EngineContextSink(Sink):
     (:attr:`rollout_guard.guard.StepReport.engine_context`, an object with ``rows``, ``injected``), not the
     collector's latest: on the background writer a step may be written after the next step's rollouts exist (a
     latest-context source joined a lagging step to the next one's context, or dropped its line). ``wandb``: also send
-    the charts to the active W&B run."""
+    the charts to the active W&B run.
+
+    The charts are drawn from rows held in memory, at most ``HISTORY_ROWS`` steps and :data:`SAMPLE_ROWS` rollouts
+    (:class:`WorstRows`: of neighbouring steps the one with the larger quarantined share, of neighbouring rollouts
+    a suspect one, then the larger max |Δ|), so the sink's memory and each redraw's time do not grow with the step
+    count; the files keep every step and rollout."""
 
     def __init__(self, directory: str | Path, chart_every_steps: int = 50, wandb: bool = False) -> None:
         self.directory = Path(directory)
@@ -123,8 +201,19 @@ class EngineContextSink(Sink):
         self.chart_every_steps = chart_every_steps
         self.wandb = wandb
         self.path = self.directory / SAMPLES_FILE
-        self.history: list[dict[str, Any]] = []
+        self._history = WorstRows(HISTORY_ROWS, _step_badness)
+        self._samples = WorstRows(SAMPLE_ROWS, _rollout_badness)
         self._steps = 0
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """The engine chart's rows (:func:`engine_history`'s), at most ``HISTORY_ROWS``."""
+        return self._history.rows
+
+    @property
+    def samples(self) -> list[dict[str, Any]]:
+        """The per-rollout chart's rows (:func:`sample_rows`'), at most :data:`SAMPLE_ROWS`."""
+        return self._samples.rows
 
     def on_records(self, records: list, guard: Any) -> None:
         pass
@@ -137,31 +226,48 @@ class EngineContextSink(Sink):
                             report.suspect, report.quarantined, step.rows, step.injected)
         with self.path.open("a") as handle:
             handle.write(json.dumps(line) + "\n")
-        self.history.append({"step": report.step, **report.metrics})
+        self._add_history({"step": report.step, **report.metrics})
+        for sample in sample_rows([line]):
+            self._samples.add(sample)
         self._steps += 1
         if self._steps % self.chart_every_steps == 0:
             self.draw()
 
+    def _add_history(self, metrics_row: dict[str, Any]) -> None:
+        row = _engine_row(metrics_row)
+        if row is not None:
+            self._history.add(row)
+
     def on_resume(self, step: int, guard: Any) -> None:
         """Training resumed from the checkpoint of ``step``: drop later lines (those steps run again) and take the
-        chart's earlier steps from ``metrics.jsonl``."""
+        charts' earlier steps from ``engine_samples.jsonl`` and ``metrics.jsonl``."""
         kept = [line for line in read_jsonl(self.path) if int(line.get("step", 0)) <= step]
         self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
-        self.history = [row for row in read_jsonl(self.directory / "metrics.jsonl") if int(row.get("step", 0)) <= step]
+        self._samples = WorstRows(SAMPLE_ROWS, _rollout_badness)
+        for sample in sample_rows(kept):
+            self._samples.add(sample)
+        self._history = WorstRows(HISTORY_ROWS, _step_badness)
+        for row in iter_jsonl(self.directory / "metrics.jsonl"):
+            if int(row.get("step", 0)) <= step:
+                self._add_history(row)
 
     def draw(self) -> list[Path]:
-        """Redraw both charts from what this run wrote (needs matplotlib, the ``charts`` extra)."""
+        """Redraw both charts from the rows held (:attr:`history`, :attr:`samples`; needs matplotlib, the ``charts``
+        extra)."""
         try:
             from rollout_guard.outputs.charts import engine_chart, engine_samples_chart
         except ImportError:
             return []
         paths = []
-        history = engine_history(self.history)
+        history = self.history
         if history:
             paths.append(engine_chart(history, self.directory / "engine.png"))
-        samples = sample_rows(read_jsonl(self.path))
+        samples = self.samples
         if samples:
-            paths.append(engine_samples_chart(samples, self.directory / "engine_samples.png"))
+            title = ("" if self._samples.stride == 1 else
+                     f"Each rollout's mismatch against its engine context ({len(samples)} of {self._samples.added} "
+                     f"rollouts, each the worst of up to {self._samples.stride} neighbours)")
+            paths.append(engine_samples_chart(samples, self.directory / "engine_samples.png", title))
         return paths
 
     def on_end(self, guard: Any) -> None:
