@@ -90,7 +90,7 @@ class GuardedTrainer:
         guard = self.rollout_guard
         excluded, report, evidence = guard.judge(data, mask_before, batch.keys, self._guard_step())
         suspect = bool(report.suspect.any()) and evidence is not None
-        before = self._advantages(data, batch.keys, torch.zeros_like(excluded)) if suspect and excluded.any() else None
+        before = self._advantages(data, batch.keys, copy=True) if suspect and excluded.any() else None
         min_kept = _min_kept(config.algorithm.adv_estimator)
         if min_kept > 1 and excluded.any():
             excluded = thin_groups(excluded, list(data.non_tensor_batch["uid"]), min_kept)
@@ -121,11 +121,11 @@ class GuardedTrainer:
         guard.publish(report, records)
         return batch
 
-    def _advantages(self, data: Any, keys: list[str], excluded: torch.Tensor | None = None) -> Any:
-        """verl's advantage function on ``data`` (its rows' TransferQueue ``keys``); with ``excluded`` given, on a
-        copy with nothing left out (what verl alone would have computed, for the records)."""
+    def _advantages(self, data: Any, keys: list[str], copy: bool = False) -> Any:
+        """verl's advantage function on ``data`` (its rows' TransferQueue ``keys``); with ``copy``, on a copy of every
+        row (what verl alone would have computed, for the records)."""
         algorithm = self.config.algorithm
-        if excluded is not None:
+        if copy:
             data = data.select_idxs(torch.arange(len(data)))
         return base.compute_advantage_for_multi_trajectories(
             data, batch_keys=keys, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
