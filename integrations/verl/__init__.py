@@ -9,11 +9,12 @@ no verl import), :mod:`.guard` (the guard of one run), :mod:`.trainer` (the trai
 """
 
 from rollout_guard.integrations.verl.batch import (advantages_without, evidence_of, neutral_rows, rejected_whole,
-                                                   session_of, thin_groups, widen_to_sessions)
+                                                   trajectory_of, thin_groups, widen_to_trajectories)
 from rollout_guard.integrations.verl.guard import VerlGuard, guard_config
 
 TESTED_VERL = ("0.9.1",)
 """The verl releases the adapter's tests run against (``make test-verl``)."""
 
-__all__ = ["TESTED_VERL", "VerlGuard", "advantages_without", "evidence_of", "guard_config", "neutral_rows", "rejected_whole",
-           "session_of", "thin_groups", "widen_to_sessions"]
+__all__ = ["TESTED_VERL", "VerlGuard", "advantages_without", "evidence_of", "guard_config", "neutral_rows",
+           "rejected_whole",
+           "trajectory_of", "thin_groups", "widen_to_trajectories"]

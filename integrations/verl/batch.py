@@ -64,32 +64,33 @@ def neutral_rows(data: Any, excluded: torch.Tensor) -> list[str]:
     return filled
 
 
-def session_of(batch_keys: Sequence[str]) -> list[str]:
-    """The agent session of each row of a verl v1 batch: its key ``{uid}_{session}_{output}`` without the output
-    index. The outputs of one session share the advantage of its final output.
+def trajectory_of(batch_keys: Sequence[str]) -> list[str]:
+    """The agent-loop trajectory of each row of a verl v1 batch: its key ``{uid}_{trajectory}_{output}`` without
+    the output index (verl's ``session_id`` is the middle part). The outputs of one trajectory share the advantage of
+    its final output.
 
-    >>> session_of(["a_0_0", "a_0_1", "b_3_0"])
+    >>> trajectory_of(["a_0_0", "a_0_1", "b_3_0"])
     ['a_0', 'a_0', 'b_3']
     """
-    sessions = []
+    trajectories = []
     for key in batch_keys:
         parts = str(key).rsplit("_", 2)
         if len(parts) != 3:
-            raise GuardInputError("batch.keys", f"key {key!r} is not '{{uid}}_{{session}}_{{index}}'",
+            raise GuardInputError("batch.keys", f"key {key!r} is not '{{uid}}_{{trajectory}}_{{index}}'",
                                   "use the guarded trainer with verl's v1 TransferQueue batches")
-        sessions.append(f"{parts[0]}_{parts[1]}")
-    return sessions
+        trajectories.append(f"{parts[0]}_{parts[1]}")
+    return trajectories
 
 
-def widen_to_sessions(rows: torch.Tensor, sessions: Sequence[str]) -> torch.Tensor:
-    """``rows`` (B,) bool, widened to every row of a session that has one selected row: a session's outputs share
-    one advantage, so a corrupted turn takes its whole session out.
+def widen_to_trajectories(rows: torch.Tensor, trajectories: Sequence[str]) -> torch.Tensor:
+    """``rows`` (B,) bool, widened to every row of a trajectory that has one selected row: a trajectory's outputs
+    share one advantage, so a corrupted turn takes its whole trajectory out.
 
-    >>> widen_to_sessions(torch.tensor([False, True, False]), ["a_0", "a_0", "b_0"])
+    >>> widen_to_trajectories(torch.tensor([False, True, False]), ["a_0", "a_0", "b_0"])
     tensor([ True,  True, False])
     """
-    names = {name: index for index, name in enumerate(dict.fromkeys(sessions))}
-    ids = torch.tensor([names[name] for name in sessions], dtype=torch.long)
+    names = {name: index for index, name in enumerate(dict.fromkeys(trajectories))}
+    ids = torch.tensor([names[name] for name in trajectories], dtype=torch.long)
     hit = torch.zeros(len(names), dtype=torch.bool).index_fill_(0, ids[rows.cpu().bool()], True)
     return hit[ids].to(rows.device)
 

@@ -24,7 +24,7 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.errors import CircuitBreakerTripped, GuardConfigError, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
-from rollout_guard.integrations.verl.batch import evidence_of, rejected_whole, session_of, widen_to_sessions
+from rollout_guard.integrations.verl.batch import evidence_of, rejected_whole, trajectory_of, widen_to_trajectories
 from rollout_guard.outputs.console import ConsoleSink
 from rollout_guard.outputs.records import QuarantineRecord, decode_records
 from rollout_guard.outputs.sinks import LocalFilesSink, Sink, finite_metrics
@@ -67,7 +67,8 @@ def guard_config(verl_config: Any) -> GuardConfig:
             raise GuardConfigError(key, settings[key], f"'{CONFIG_KEY}.{key}' is not a setting of the guard; use "
                                    f"one of {sorted(known)}")
     if settings.get("output_dir") is None:
-        settings["output_dir"] = os.path.join(str(_node(verl_config, "trainer.default_local_dir", ".")), "rollout_guard")
+        checkpoints = str(_node(verl_config, "trainer.default_local_dir", "."))
+        settings["output_dir"] = os.path.join(checkpoints, "rollout_guard")
     return GuardConfig(**settings)
 
 
@@ -139,8 +140,8 @@ class VerlGuard:
               ) -> tuple[torch.Tensor, StepReport, RolloutEvidence | None]:
         """Judge one batch (``data``: the padded ``DataProto`` after verl's rollout correction; ``mask_before``: its
         ``response_mask`` before it). Returns the rows to leave out of the advantages ((B,) bool: quarantined rows,
-        widened to their agent sessions, and in quarantine mode rows verl's own ``rollout_rs`` rejected whole; in
-        monitor mode none, so that verl trains as it would alone), the step's report and the evidence."""
+        widened to their agent-loop trajectories, and in quarantine mode rows verl's own ``rollout_rs`` rejected
+        whole; in monitor mode none, so that verl trains as it would alone), the step's report and the evidence."""
         rows = len(data)
         evidence: RolloutEvidence | BaseException
         try:
@@ -155,8 +156,8 @@ class VerlGuard:
         rejected = rejected_whole(mask_before, data.batch["response_mask"]).cpu()
         quarantined = report.quarantined.clone() if not report.skipped else torch.zeros(rows, dtype=torch.bool)
         if quarantined.any():
-            quarantined = widen_to_sessions(quarantined, session_of(batch_keys))
-        report.metrics["quarantined_with_sessions"] = float(quarantined.sum())
+            quarantined = widen_to_trajectories(quarantined, trajectory_of(batch_keys))
+        report.metrics["quarantined_with_trajectories"] = float(quarantined.sum())
         report.metrics["rejected_by_verl"] = float(rejected.sum())
         excluded = quarantined | rejected if self.config.quarantines else quarantined
         return excluded, report, evidence if isinstance(evidence, RolloutEvidence) else None

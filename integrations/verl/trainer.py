@@ -74,7 +74,7 @@ class GuardedTrainer:
 
         if config.algorithm.use_kl_in_reward:
             data, kl_metrics = base.apply_kl_penalty(data, kl_ctrl=self.kl_ctrl_in_reward,
-                                                kl_penalty=config.algorithm.kl_penalty)
+                                                     kl_penalty=config.algorithm.kl_penalty)
             metrics.update(kl_metrics)
         else:
             data.batch["token_level_rewards"] = data.batch["token_level_scores"]
@@ -116,7 +116,7 @@ class GuardedTrainer:
         if excluded.any():  # left-out rows: finite zeros wherever the actor's loss reads them
             fields.extend(key for key in neutral_rows(data, excluded) if key not in fields)
         output = base.TensorDict({field: base.response_to_nested(data.batch[field], response_mask) for field in fields},
-                            batch_size=len(batch))
+                                 batch_size=len(batch))
         batch = base.tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
         guard.publish(report, records)
         return batch
@@ -139,7 +139,8 @@ class GuardedTrainer:
             return {}
         keys = [batch.keys[row] for row in rows]
         try:
-            data = base.tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["prompts", "responses"])
+            data = base.tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
+                                        select_fields=["prompts", "responses"])
             prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
         except Exception as error:  # noqa: BLE001 - the records keep their statistics
             self.rollout_guard.output_failure("reading evidence tokens", error)

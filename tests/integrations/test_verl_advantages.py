@@ -19,7 +19,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
 
 from rollout_guard.errors import GuardInputError  # noqa: E402
 from rollout_guard.integrations.verl import (advantages_without, evidence_of, neutral_rows,  # noqa: E402
-                                             rejected_whole, session_of, thin_groups, widen_to_sessions)
+                                             rejected_whole, trajectory_of, thin_groups, widen_to_trajectories)
 from rollout_guard.integrations.verl.trainer import MIN_KEPT  # noqa: E402
 
 GROUP = 4
@@ -174,13 +174,13 @@ def test_evidence_leaves_the_trainer_side_out_in_bypass_mode():
         evidence_of({"rollout_log_probs": torch.zeros(2, 3)}, bypass=False)
 
 
-def test_a_quarantined_turn_takes_its_whole_agent_session_out():
+def test_a_quarantined_turn_takes_its_whole_agent_loop_trajectory_out():
     keys = ["u1_0_0", "u1_0_1", "u1_1_0", "u2_0_0"]
-    assert session_of(keys) == ["u1_0", "u1_0", "u1_1", "u2_0"]
-    widened = widen_to_sessions(torch.tensor([False, True, False, False]), session_of(keys))
+    assert trajectory_of(keys) == ["u1_0", "u1_0", "u1_1", "u2_0"]
+    widened = widen_to_trajectories(torch.tensor([False, True, False, False]), trajectory_of(keys))
     assert widened.tolist() == [True, True, False, False]
     with pytest.raises(GuardInputError, match="batch.keys"):
-        session_of(["no-session"])
+        trajectory_of(["no-trajectory"])
 
 
 def test_rows_rejected_whole_by_verl_are_told_from_rows_that_were_empty():

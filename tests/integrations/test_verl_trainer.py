@@ -54,18 +54,19 @@ def guarded_trainer(tmp_path, *overrides: str):
 
 def put_batch(partition: str, rows: list[dict], groups: int) -> KVBatchMeta:
     """Rows into the TransferQueue as verl's agent loop and old-logprob pass leave them: keys
-    ``{uid}_{session}_{output}``, jagged per-row tensors. Each row dict gives ``score``, ``engine`` and ``trainer``
+    ``{uid}_{trajectory}_{output}``, jagged per-row tensors. Each row dict gives ``score``, ``engine`` and ``trainer``
     (per-token logprobs)."""
     keys, fields = [], []
     for index, row in enumerate(rows):
-        group, session = index // GROUP, index % GROUP
+        group, trajectory = index // GROUP, index % GROUP
         length = len(row["engine"])
         scores = torch.zeros(length)
         scores[-1] = row["score"]
-        keys.append(f"p{group}_{session}_0")
+        keys.append(f"p{group}_{trajectory}_0")
         fields.append({
             "uid": f"p{group}", "prompts": torch.arange(3, dtype=torch.int64) + 10 * group,
-            "responses": torch.arange(length, dtype=torch.int64) + 100, "response_mask": torch.ones(length, dtype=torch.int64),
+            "responses": torch.arange(length, dtype=torch.int64) + 100,
+            "response_mask": torch.ones(length, dtype=torch.int64),
             "rm_scores": scores, "rollout_log_probs": torch.tensor(row["engine"], dtype=torch.float32),
             "old_log_probs": torch.tensor(row["trainer"], dtype=torch.float32),
         })
@@ -169,7 +170,8 @@ def test_a_corrupted_rollout_is_quarantined_before_the_advantages_and_leaves_its
     lines = [json.loads(line) for path in store.rglob("*.jsonl") for line in path.read_text().splitlines()
              if '"completion_ids"' in line]
     assert [(line["global_row"], line["action"]) for line in lines] == [(5, "quarantined")]
-    assert lines[0]["completion_ids"] == list(range(100, 112)) and lines[0]["engine_logprobs"][5] == pytest.approx(-0.01)
+    assert lines[0]["completion_ids"] == list(range(100, 112))
+    assert lines[0]["engine_logprobs"][5] == pytest.approx(-0.01)
     assert lines[0]["advantage_after"] == 0.0 and lines[0]["advantage_before"] != 0.0
 
 
