@@ -24,6 +24,7 @@ from rollout_guard.config import GuardConfig
 from rollout_guard.errors import CircuitBreakerTripped, GuardConfigError, GuardError
 from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import RolloutGuard, StepReport
+from rollout_guard.integrations.trl_versions import version
 from rollout_guard.integrations.verl.batch import evidence_of, rejected_whole, trajectory_of, widen_to_trajectories
 from rollout_guard.outputs.console import ConsoleSink
 from rollout_guard.outputs.records import QuarantineRecord, decode_records
@@ -101,6 +102,8 @@ class VerlGuard:
     def __init__(self, verl_config: Any, sinks: Sequence[Sink] | None = None) -> None:
         self.config = guard_config(verl_config)
         self.sampling = sampling_of(verl_config)
+        # what the guard's noise was learned under, as it compares settings from step to step (name=value strings)
+        self._sampling_key = tuple(f"{name}={value!r}" for name, value in sorted(self.sampling.items()))
         self.group_size = int(self.sampling["n"] or 1)
         correction = _node(verl_config, "algorithm.rollout_correction")
         self.bypass = bool(_node(correction, "bypass_mode", False)) if correction is not None else False
@@ -112,7 +115,7 @@ class VerlGuard:
         self.sinks = list(sinks) if sinks is not None else [LocalFilesSink(self.output_dir, self.config),
                                                              ConsoleSink(self.output_dir)]
         self.model = str(_node(verl_config, "actor_rollout_ref.model.path", ""))
-        self.engine = {"name": str(_node(verl_config, "actor_rollout_ref.rollout.name", "")), "verl": _version()}
+        self.engine = {"name": str(_node(verl_config, "actor_rollout_ref.rollout.name", "")), "verl": version("verl")}
         self.last_report: StepReport | None = None
         self._said: set[str] = set()
         self._closed = False
@@ -151,7 +154,7 @@ class VerlGuard:
         except Exception as error:  # noqa: BLE001 - judged as a failed step by the guard
             evidence = error
         report = self.guard.inspect(evidence, step=step, batch_size=rows,
-                                    sampling=tuple(f"{k}={v!r}" for k, v in sorted(self.sampling.items())))
+                                    sampling=self._sampling_key)
         self.last_report = report
         rejected = rejected_whole(mask_before, data.batch["response_mask"]).cpu()
         quarantined = report.quarantined.clone() if not report.skipped else torch.zeros(rows, dtype=torch.bool)
@@ -271,15 +274,6 @@ def _value(values: torch.Tensor | None, row: int) -> float | None:
         return None
     value = float(values[row])
     return value if math.isfinite(value) else None
-
-
-def _version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("verl")
-    except PackageNotFoundError:
-        return None
 
 
 __all__ = ["CONFIG_KEY", "INTERNAL_PREFIX", "PREFIX", "VerlGuard", "guard_config", "sampling_of",
