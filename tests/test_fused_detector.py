@@ -119,12 +119,49 @@ def _case(name: str, device: str = "cpu") -> None:
         assert ((got.reasons & RULE_BIT["tolerance"]) != 0).tolist() == beyond.tolist() and beyond[[1, 3, 6, 8]].all()
 
 
+def _edge_bucket_case(device: str = "cpu") -> None:
+    """The kernels' search-free bucketing equals ``torch.bucketize`` over the noise's edges: at every edge, one float32
+    step either side of it, ±0, ±inf and values spread from 10⁻⁴ to 10³ nats either way."""
+    import triton
+    import triton.language as tl
+
+    from rollout_guard.detector import _kernels, fused
+    from rollout_guard.detector.noise import EDGES
+
+    globals()["_kernels"] = _kernels  # a jitted function finds what it calls among its module's globals
+
+    @triton.jit
+    def bucket(values_ptr, edges_ptr, out_ptr, size, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < size
+        tl.store(out_ptr + offsets, _kernels._edge_bucket(tl.load(values_ptr + offsets, mask=inside, other=0.0),
+                                                          edges_ptr), mask=inside)
+
+    edges = torch.tensor(EDGES, dtype=torch.float32)
+    spread = torch.logspace(-4, 3, 3001)
+    values = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1), spread, -spread,
+                        torch.tensor([0.0, -0.0, math.inf, -math.inf])])
+    want = torch.bucketize(values, edges, right=True)
+    values = values.to(device)
+    out = torch.empty(values.shape, dtype=torch.int32, device=device)
+    bucket[(triton.cdiv(len(values), 1024),)](values, fused._constants(values.device, 1.0).edges, out, len(values),
+                                              BLOCK=1024)
+    assert torch.equal(out.cpu().long(), want)
+
+
 def test_the_fused_step_equals_the_torch_reference_in_the_interpreter():
     """Reasons, onsets and kept histograms equal; scores and statistics within float32 rounding."""
     from tests.triton_interpreter import check_in_interpreter
 
     pytest.importorskip("triton")
-    check_in_interpreter(__file__, list(CASES), timeout=900)
+    check_in_interpreter(__file__, [*CASES, "edge_bucket"], timeout=900)
+
+
+def test_the_search_free_bucketing_equals_torch_bucketize_on_the_gpu():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _edge_bucket_case("cuda")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -142,5 +179,5 @@ if __name__ == "__main__":
 
     from tests.triton_interpreter import run_cases
 
-    cases = {name: functools.partial(_case, name) for name in CASES}
+    cases = {name: functools.partial(_case, name) for name in CASES} | {"edge_bucket": _edge_bucket_case}
     sys.exit(1 if run_cases(cases, sys.argv[1:]) else 0)

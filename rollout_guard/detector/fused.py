@@ -66,6 +66,8 @@ ZERO = EDGES.index(0.0)  # the positive edges (the tail fit's depths) follow it
 CANDIDATES = [i for i, v in enumerate(EDGES) if abs(v) <= CENTRE_RANGE]  # noise._candidates: contiguous
 assert NUM_REGIONS == 4 and NUM_REGIONS * NUM_BINS < COUNT_SLOTS and NUM_BINS + 1 <= BINS and len(LAGS) <= LAG_BLOCK
 assert CANDIDATES == list(range(CANDIDATES[0], CANDIDATES[-1] + 1))
+assert EDGES[ZERO + 1:] == tuple([0.01 * k for k in range(1, 51)] + [0.5 + 0.05 * k for k in range(1, 31)]
+                                 + [2.0 * 2.0 ** (k / 4) for k in range(1, 21)]) and ZERO == 100  # _edge_bucket's spacing
 CONSTANTS = (math.e, 1e-300, 1e-30, SCALE_FLOOR, PRIOR_SCALE, PRIOR_TOKENS, CENTRE_TOKENS, MIN_TAIL, CENTRE_WINDOW,
              CENTRE_PRIOR)
 """float64 constants of the noise arithmetic (a Python float in a Triton kernel is float32), then EARLY_TOKENS."""
