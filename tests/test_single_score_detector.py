@@ -242,3 +242,20 @@ def test_a_heavy_tail_the_run_shows_on_the_trainer_side_is_not_read_as_a_lag_on_
     engine[5, 20], trainer[5, 20] = -3.5, -12.5
     assert not heavy.judge(engine, trainer, mask).suspect[5]
     assert quiet.judge(engine, trainer, mask).suspect.nonzero().flatten().tolist() == [5]
+
+
+def test_a_heavy_tail_in_the_first_batch_goes_on_past_its_deepest_trainer_favouring_token():
+    """A fresh detector (a run's first step, or the first after its sampling changed) whose batch shows a healthy
+    two-sided tail on tokens neither side finds likely, as the published 7B runs do: six tokens 1–9 nats to the
+    trainer's side, six 1–12 nats to the engine's, one a row. The deepest engine-favouring token lies beyond every
+    trainer-favouring one; the tail the batch shows carries on past its deepest token, so that row is kept. The
+    same token in a quiet batch is flagged."""
+    engine, trainer, mask = healthy(256, 64, 0.05, seed=31)
+    quiet_engine, quiet_trainer = engine.clone(), trainer.clone()
+    depths = torch.tensor([1.5, 2.5, 4.0, 5.5, 7.0, 9.0, 1.2, 2.0, 3.0, 5.0, 7.5, 12.0])
+    rows = torch.arange(12) * 20
+    engine[rows, 5] = torch.cat([-4.0 - depths[:6], torch.full((6,), -4.0)])  # trainer-favouring: the engine lower
+    trainer[rows, 5] = torch.cat([torch.full((6,), -4.0), -4.0 - depths[6:]])  # engine-favouring: the trainer lower
+    assert Detector().judge(engine, trainer, mask).suspect.nonzero().flatten().tolist() == []
+    quiet_engine[rows[11], 5], quiet_trainer[rows[11], 5] = -4.0, -16.0
+    assert Detector().judge(quiet_engine, quiet_trainer, mask).suspect.nonzero().flatten().tolist() == [int(rows[11])]

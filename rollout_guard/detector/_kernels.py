@@ -148,10 +148,10 @@ def _centre64(scratch_ptr, slot, edges64_ptr, CAND_LO: tl.constexpr, N_CAND: tl.
 
 
 @triton.jit
-def _scale64(scratch_ptr, slot, centre, edges64_ptr, ZERO: tl.constexpr, N_EDGES: tl.constexpr, STEPS: tl.constexpr,
-             BINS: tl.constexpr):
-    """noise.noise_of's scale of each slot's histogram about its ``centre`` (ROWS,): the tail fit over the positive
-    edges' depths."""
+def _scale64(scratch_ptr, slot, centre, min_tail, edges64_ptr, ZERO: tl.constexpr, N_EDGES: tl.constexpr,
+             STEPS: tl.constexpr, BINS: tl.constexpr):
+    """noise.tail_scale of each slot's histogram about its ``centre`` (ROWS,): the tail fit over the positive edges'
+    depths with at least ``min_tail`` tokens beyond."""
     consts = edges64_ptr + N_EDGES
     i = tl.arange(0, BINS)[None, :]
     ok = i < N_EDGES - 1 - ZERO
@@ -159,7 +159,7 @@ def _scale64(scratch_ptr, slot, centre, edges64_ptr, ZERO: tl.constexpr, N_EDGES
     beyond = _cdf64(scratch_ptr, slot, centre[:, None] - depths, edges64_ptr, N_EDGES, STEPS, BINS)
     pair = centre[:, None] + tl.zeros((1, 2), tl.float64)
     below = tl.max(_cdf64(scratch_ptr, slot, pair, edges64_ptr, N_EDGES, STEPS, BINS), axis=1)[:, None]
-    usable = ok & (beyond >= tl.load(consts + C_MIN_TAIL)) & (beyond <= below / tl.load(consts + C_E))
+    usable = ok & (beyond >= min_tail) & (beyond <= below / tl.load(consts + C_E))
     fitted = depths / tl.log(below / tl.maximum(beyond, tl.load(consts + C_TINY300)))
     return tl.maximum(tl.max(tl.where(usable, fitted, 0.0), axis=1), tl.load(consts + C_FLOOR))
 
@@ -183,7 +183,7 @@ def noise_tables(counts_ptr, use_batch, state_ptr, early_ptr, scratch_ptr, summa
     """The noise in one program: the healthy noise of the state plus this batch (``counts``, int32
     NUM_REGIONS · NUM_BINS; ``use_batch`` 0 judges the state alone), its summary (centre, scale, growth; fp64) and
     the float32 tables the row passes read (fused.TABLES layout). Scratch slots: 0–3 the counts, 4–7 the state, 8–11
-    the state mirrored, 12 the counts pooled over regions, 13 the analyses' results."""
+    the state (or the batch) mirrored, 12 the counts pooled over regions, 13 the analyses' results."""
     n_bins = N_EDGES + 1
     r = tl.arange(0, 4)[:, None]
     j = tl.arange(0, BINS)[None, :]
@@ -193,8 +193,12 @@ def noise_tables(counts_ptr, use_batch, state_ptr, early_ptr, scratch_ptr, summa
     counts = state + tl.where(use_batch != 0, batch, 0.0)
     _put_rows(scratch_ptr, r, counts, BINS, N_EDGES)
     _put_rows(scratch_ptr, 4 + r, state, BINS, N_EDGES)
-    _put_rows(scratch_ptr, 8 + r, tl.load(state_ptr + r * n_bins + (n_bins - 1 - j), mask=inside, other=0.0),
-              BINS, N_EDGES)
+    # per region the state, or the batch while the state holds no token there, mirrored (Detector.down_reference)
+    flipped = r * n_bins + (n_bins - 1 - j)
+    cold = ((tl.sum(state, axis=1) == 0) & (use_batch != 0))[:, None]
+    mirrored = tl.where(cold, tl.load(counts_ptr + flipped, mask=inside, other=0, cache_modifier=".cg").to(tl.float64),
+                        tl.load(state_ptr + flipped, mask=inside, other=0.0))
+    _put_rows(scratch_ptr, 8 + r, mirrored, BINS, N_EDGES)
     pair = tl.arange(0, 2)[:, None]
     pooled = tl.sum(counts, axis=0)[None, :] + tl.zeros((2, BINS), tl.float64)
     _put_rows(scratch_ptr, tl.where(pair == 0, 12, -1), pooled, BINS, N_EDGES)
@@ -202,7 +206,8 @@ def noise_tables(counts_ptr, use_batch, state_ptr, early_ptr, scratch_ptr, summa
     # the counts' and the state's own centre and scale (slots 0–7), and the pooled counts' centre
     eight = tl.arange(0, 8)[:, None]
     own_centre = _centre64(scratch_ptr, eight, edges64_ptr, CAND_LO, N_CAND, N_EDGES, STEPS, BINS)
-    own_scale = _scale64(scratch_ptr, eight, own_centre, edges64_ptr, ZERO, N_EDGES, STEPS, BINS)
+    own_scale = _scale64(scratch_ptr, eight, own_centre, tl.load(edges64_ptr + N_EDGES + C_MIN_TAIL), edges64_ptr,
+                         ZERO, N_EDGES, STEPS, BINS)
     everywhere = tl.max(_centre64(scratch_ptr, pair * 0 + 12, edges64_ptr, CAND_LO, N_CAND, N_EDGES, STEPS, BINS),
                         axis=0)
     results = scratch_ptr + 13 * 2 * BINS
@@ -235,7 +240,7 @@ def noise_tables(counts_ptr, use_batch, state_ptr, early_ptr, scratch_ptr, summa
     tl.store(tables_ptr + 12 + region, tl.max(_cdf64(scratch_ptr, 8 + r, -at, edges64_ptr, N_EDGES, STEPS, BINS),
                                               axis=1).to(tl.float32))
     below_table = tables_ptr + 16
-    side_slot = tl.where(eight < 4, eight, eight + 4)  # table rows 0–3: the counts, 4–7: the state mirrored
+    side_slot = tl.where(eight < 4, eight, eight + 4)  # table rows 0–3: the counts, 4–7: slots 8–11
     tl.store(below_table + eight * (n_bins + 1) + j,
              tl.load(scratch_ptr + side_slot * 2 * BINS + BINS + j).to(tl.float32), mask=j <= n_bins)
     lag_index = tl.arange(0, LAG_BLOCK)[None, :]
@@ -244,6 +249,9 @@ def noise_tables(counts_ptr, use_batch, state_ptr, early_ptr, scratch_ptr, summa
     edge_table = below_table + 8 * (n_bins + 1)
     tl.store(edge_table + r * LAG_BLOCK + lag_index, tl.log(1.0 - tl.exp(-lags / b)))
     tl.store(edge_table + (4 + r) * LAG_BLOCK + lag_index, tl.log(b / lags))
+    # the scale that covers every trainer-favouring token of the counts (noise.engine_favouring_cap)
+    tail = _scale64(scratch_ptr, r, centre, 1.0, edges64_ptr, ZERO, N_EDGES, STEPS, BINS)
+    tl.store(edge_table + 8 * LAG_BLOCK + region, tail.to(tl.float32))
 
 
 @triton.jit
@@ -267,7 +275,8 @@ def learn(state_ptr, early_ptr, kept_ptr, processes, stride_p, out_ptr, edges64_
     _put_rows(work, r, counts, BINS, N_EDGES)
     tl.debug_barrier()
     centre = _centre64(work, r, edges64_ptr, CAND_LO, N_CAND, N_EDGES, STEPS, BINS)
-    scale = _scale64(work, r, centre, edges64_ptr, ZERO, N_EDGES, STEPS, BINS)
+    scale = _scale64(work, r, centre, tl.load(edges64_ptr + N_EDGES + C_MIN_TAIL), edges64_ptr, ZERO, N_EDGES,
+                     STEPS, BINS)
     early_tokens = tl.load(edges64_ptr + N_EDGES + C_EARLY_TOKENS)
     region = tl.arange(0, 4)
     reached = (tl.sum(state, axis=1) < early_tokens) & (tl.sum(counts, axis=1) >= early_tokens)
@@ -415,6 +424,8 @@ def _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok, ed
     beyond = _cdf(centre_side - tl.abs(x), region, side, below_ptr, edges_ptr, N_EDGES, STEPS)
     mass = tl.load(tables_ptr + 8 + side * 4 + region)
     cap = tl.where(beyond > 0, tl.log(mass / tl.where(beyond > 0, beyond, 1.0)), float("inf"))
+    tail = tl.load(edge_ptr + 8 * lag_index.shape[1] + region)  # engine-favouring: also at most |x| / b_tail
+    cap = tl.where(up, tl.minimum(cap, tl.abs(x) / tail), cap)
     xs = x[:, None]
     per_b = (1.0 / b)[:, None]  # one division per token, then products
     caps = cap[:, None]

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from rollout_guard.detector import fused
-from rollout_guard.detector.noise import NUM_BINS, Noise, healthy_noise, histogram, tail_rarity
+from rollout_guard.detector.noise import NUM_BINS, Noise, engine_favouring_cap, healthy_noise, histogram, tail_rarity
 from rollout_guard.detector.score import NUM_REGIONS, region_of, row_scores
 
 RULES = ("nonfinite_engine", "nonfinite_trainer", "ceiling", "score", "tolerance")
@@ -135,17 +135,18 @@ class Detector:
         engine_read = torch.where(read, engine, torch.zeros_like(engine))
         delta = engine_read - torch.where(read, trainer, torch.zeros_like(trainer))
         region = region_of(engine_read)
-        counts = self.counts + histogram(delta, region, read) if self.batch_noise else self.counts
+        batch = histogram(delta, region, read) if self.batch_noise else torch.zeros_like(self.counts)
+        counts = self.counts + batch
         noise = healthy_noise(counts)
         x = delta - noise.centre.to(delta.dtype)[region]
         scale = noise.scale.to(delta.dtype)[region]
         # a token's evidence is capped by how rare the other side shows its distance to be: an engine-favouring
         # token by the trainer-favouring side of the run and this batch (corruption does not reach it), a
-        # trainer-favouring one by the engine-favouring side of the kept rows only (a batch's corrupted rows, whose
-        # garbage can fall on both sides, would cap one another)
+        # trainer-favouring one by the engine-favouring side of the kept rows (a batch's corrupted rows, whose
+        # garbage can fall on both sides, would cap one another), of this batch before the run has kept any
         mirrored = noise._replace(centre=-noise.centre)
-        cap = torch.where(x > 0, tail_rarity(counts, noise, region, x),
-                          tail_rarity(self.counts.flip(1), mirrored, region, x))
+        cap = torch.where(x > 0, engine_favouring_cap(counts, noise, region, x),
+                          tail_rarity(self.down_reference(batch).flip(1), mirrored, region, x))
         scored = row_scores(x, scale, read, cap)
         reasons = (((mask & ~finite_engine).any(-1)).int() * RULE_BIT["nonfinite_engine"]
                    | ((mask & ~finite_trainer).any(-1)).int() * RULE_BIT["nonfinite_trainer"]
@@ -155,6 +156,12 @@ class Detector:
         reasons |= self._beyond_tolerance(delta, read)
         kept = histogram(delta, region, read & (reasons == 0).unsqueeze(-1))
         return Judgement(scored.score, scored.onset, scored.excess, reasons, kept, noise, self.grown())
+
+    def down_reference(self, batch: torch.Tensor) -> torch.Tensor:
+        """(NUM_REGIONS, NUM_BINS) the histogram whose engine-favouring side caps trainer-favouring tokens: per
+        region the kept state, or ``batch`` while the state holds no token there (a run's first step, or the first
+        after a reset)."""
+        return torch.where(self.counts.sum(1, keepdim=True) > 0, self.counts, batch)
 
     def _beyond_tolerance(self, delta: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
         """(B,) int32: the ``tolerance`` bit where a read token's |engine − trainer| (nats) exceeds the tolerance;

@@ -56,10 +56,10 @@ AGGREGATES = 27  # the batch's aggregates the last row writes (packet.AGGREGATES
 ROW_TILE = 64  # rows the aggregates are read in at a time
 ACC_FIXED = 2 * COUNT_SLOTS + DELTA_SLOTS + 2  # int32: batch and suspect histograms, |Δ| histogram, a spare slot,
 # the rows' ticket; then one ticket per row
-TABLES = 16 + 2 * NUM_REGIONS * (NUM_BINS + 1) + 2 * NUM_REGIONS * LAG_BLOCK
+TABLES = 16 + 2 * NUM_REGIONS * (NUM_BINS + 1) + 2 * NUM_REGIONS * LAG_BLOCK + NUM_REGIONS
 """float32 values the score pass reads: centre (NUM_REGIONS), scale, each side's mass at or below its centre
 (2 · NUM_REGIONS), each side's cumulative counts (2 · NUM_REGIONS · (NUM_BINS + 1)), ln(1 − e^{−D/b}) and ln(b/D) per
-region and lag (2 · NUM_REGIONS · LAG_BLOCK)."""
+region and lag (2 · NUM_REGIONS · LAG_BLOCK), the scale covering every trainer-favouring token (NUM_REGIONS)."""
 SCRATCH = 14 * 2 * BINS  # float64: 13 histogram rows and their cumulative counts (what the noise arithmetic gathers
 # from), then its results
 ZERO = EDGES.index(0.0)  # the positive edges (the tail fit's depths) follow it

@@ -111,16 +111,22 @@ def noise_of(counts: torch.Tensor) -> Noise:
     (0.3, 0.1, 0.01)
     """
     counts = counts.double()
-    total = counts.sum(1, keepdim=True)
     centre = centre_of(counts)
+    return Noise(centre=centre, scale=tail_scale(counts, centre, MIN_TAIL), tokens=counts.sum(1))
+
+
+def tail_scale(counts: torch.Tensor, centre: torch.Tensor, min_tail: float) -> torch.Tensor:
+    """(R,) the least Laplace scale whose tail covers each region's trainer-favouring tail (``d`` below ``centre``)
+    at every depth with at least ``min_tail`` and at most a share ``1/e`` of that side's tokens beyond it
+    (:func:`noise_of`'s formula), at least :data:`SCALE_FLOOR`."""
+    counts = counts.double()
     depths = _depths(counts.dtype, str(counts.device))
-    at = centre.unsqueeze(1) - depths  # (R, U)
-    beyond = _cdf(counts, at)
-    below = _cdf(counts, centre.unsqueeze(1))  # (R, 1)
-    usable = (beyond >= MIN_TAIL) & (beyond <= below / math.e)  # the tail: a scale or more below the centre
+    centre = centre.to(counts.dtype).unsqueeze(1)
+    beyond = _cdf(counts, centre - depths)  # (R, U)
+    below = _cdf(counts, centre)  # (R, 1)
+    usable = (beyond >= min_tail) & (beyond <= below / math.e)  # the tail: a scale or more below the centre
     fitted = depths / torch.log(below / beyond.clamp(min=1e-300))
-    scale = torch.where(usable, fitted, torch.zeros_like(fitted)).amax(1).clamp(min=SCALE_FLOOR)
-    return Noise(centre=centre, scale=scale, tokens=total.squeeze(1))
+    return torch.where(usable, fitted, torch.zeros_like(fitted)).amax(1).clamp(min=SCALE_FLOOR)
 
 
 def _inverse_cdf(counts: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -215,3 +221,20 @@ def tail_rarity(counts: torch.Tensor, noise: Noise, region: torch.Tensor, x: tor
     beyond = _cdf(counts, at, region.unsqueeze(-1))  # (B, T, 2): tokens at or below each point
     rarity = torch.log(beyond[..., 1] / beyond[..., 0])
     return torch.where(beyond[..., 0] > 0, rarity, torch.full_like(rarity, math.inf)).to(x.dtype)
+
+
+def engine_favouring_cap(counts: torch.Tensor, noise: Noise, region: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B, T) the most an engine-favouring token's log ratio may count for: the smaller of :func:`tail_rarity` on
+    the trainer-favouring side of ``counts`` and ``|x| / b_tail``, with ``b_tail`` the least Laplace scale that
+    covers every token of that side (:func:`tail_scale` down to one token). The rarity alone caps nothing beyond the
+    side's deepest token; ``b_tail`` carries a heavy tail the run shows on past it, while a quiet run's ``b_tail``
+    is about its noise scale and caps nothing a lag can reach (``|x| / b ≥ ℓ``).
+
+    >>> counts = torch.zeros(NUM_REGIONS, NUM_BINS, dtype=torch.float64)
+    >>> counts[0, EDGES.index(-8.0)] = 1.0; counts[0, EDGES.index(0.0)] = 999.0  # one token 8 nats deep of 1000
+    >>> noise = Noise(torch.zeros(NUM_REGIONS), torch.full((NUM_REGIONS,), 0.1), counts.sum(1))
+    >>> [round(v, 2) for v in engine_favouring_cap(counts, noise, torch.tensor([0, 0, 1]), torch.tensor([5.0, 10.0, 5.0])).tolist()]
+    [4.32, 8.63, 500.0]
+    """
+    scale = tail_scale(counts, noise.centre, 1.0).to(x.dtype)[region]
+    return torch.minimum(tail_rarity(counts, noise, region, x), x.abs() / scale)
