@@ -75,7 +75,7 @@ def _read(engine, trainer, valid):
 
 
 @triton.jit
-def _region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES: tl.constexpr, STEPS: tl.constexpr,
+def _region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES: tl.constexpr,
                  COUNT_BINS: tl.constexpr):
     """Each read token's slot of the region × ``d`` histogram (region · NUM_BINS + bin), the spare last slot else."""
     delta = tl.where(read, engine - trainer, 0.0)
@@ -288,7 +288,7 @@ def learn(state_ptr, early_ptr, kept_ptr, processes, stride_p, out_ptr, edges64_
 @triton.jit
 def token_pass(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, stride_m, acc_ptr, part_ptr,
                ceiling, tolerance, edges_ptr, delta_edges_ptr, E0, E1, E2,
-               N_EDGES: tl.constexpr, STEPS: tl.constexpr, N_DELTA_EDGES: tl.constexpr, DELTA_STEPS: tl.constexpr,
+               N_EDGES: tl.constexpr, N_DELTA_EDGES: tl.constexpr, DELTA_STEPS: tl.constexpr,
                COUNT_BINS: tl.constexpr, DELTA_BINS: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr,
                BLOCK: tl.constexpr):
     """One chunk of a row: its read tokens added to the region × ``d`` histogram and their |Δ| to the statistics'
@@ -339,7 +339,7 @@ def token_pass(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, st
         over_ceiling = tl.maximum(over_ceiling, tl.max((read & (tl.abs(log_ratio) > ceiling)).to(tl.float32), axis=0))
         over_tolerance = tl.maximum(over_tolerance, tl.max((read & (tl.abs(engine - trainer) > tolerance))
                                                            .to(tl.float32), axis=0))
-        local += tl.histogram(_region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES, STEPS,
+        local += tl.histogram(_region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES,
                                            COUNT_BINS), COUNT_BINS)
         bins = tl.maximum(_bucket(tl.abs(log_ratio), delta_edges_ptr, N_DELTA_EDGES, DELTA_STEPS) - 1, 0)
         local_delta += tl.histogram(tl.where(read, bins, DELTA_BINS - 1), DELTA_BINS)
@@ -369,7 +369,7 @@ def token_pass(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, st
 # --- pass 2: the score (score.row_scores) ------------------------------------------------------------------------
 
 @triton.jit
-def _cdf(at, region, side, below_ptr, edges_ptr, N_EDGES: tl.constexpr, STEPS: tl.constexpr):
+def _cdf(at, region, side, below_ptr, edges_ptr, N_EDGES: tl.constexpr):
     """Counts at or below ``at`` in region ``region`` of table ``side`` (noise._cdf: linear within a bin, an open
     bin's mass at its edge); ``below``: (2, NUM_REGIONS, NUM_BINS + 1) cumulative counts."""
     k = _edge_bucket(at, edges_ptr)
@@ -404,7 +404,7 @@ def _by_region(table_ptr, region, lag_index):
 
 @triton.jit
 def _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok, edges_ptr, E0, E1, E2,
-                 N_EDGES: tl.constexpr, STEPS: tl.constexpr):
+                 N_EDGES: tl.constexpr):
     """Per token of a block: whether it is read, x / b (its excess), and the (BLOCK, LAG_BLOCK) capped
     engine-favouring and trainer-favouring lag log ratios and the later-token log ratio (score.py)."""
     below_ptr = tables_ptr + 16
@@ -421,7 +421,7 @@ def _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok, ed
     up = x > 0
     side = tl.where(up, 0, 1)
     centre_side = tl.where(up, centre, -centre)
-    beyond = _cdf(centre_side - tl.abs(x), region, side, below_ptr, edges_ptr, N_EDGES, STEPS)
+    beyond = _cdf(centre_side - tl.abs(x), region, side, below_ptr, edges_ptr, N_EDGES)
     mass = tl.load(tables_ptr + 8 + side * 4 + region)
     cap = tl.where(beyond > 0, tl.log(mass / tl.where(beyond > 0, beyond, 1.0)), float("inf"))
     tail = tl.load(edge_ptr + 8 * lag_index.shape[1] + region)  # engine-favouring: also at most |x| / b_tail
@@ -467,7 +467,7 @@ def _sparse_terms(compared):
 def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e, stride_t, stride_m, acc_ptr,
                part_ptr, tables_ptr, lags_ptr, record_ptr, reasons_ptr, score_ptr, onset_ptr, delta_ptr, rows,
                edges_ptr, E0, E1, E2, threshold, ln_engine, ln_trainer,
-               N_EDGES: tl.constexpr, STEPS: tl.constexpr, NUM_LAGS: tl.constexpr, LAG_BLOCK: tl.constexpr,
+               N_EDGES: tl.constexpr, NUM_LAGS: tl.constexpr, LAG_BLOCK: tl.constexpr,
                COUNT_BINS: tl.constexpr, DELTA_BINS: tl.constexpr, N_DELTA_EDGES: tl.constexpr,
                HAS_CEILING: tl.constexpr, HAS_TOLERANCE: tl.constexpr, HAS_INJECTED: tl.constexpr,
                WIDTH: tl.constexpr, PART: tl.constexpr, CHUNK_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
@@ -505,7 +505,7 @@ def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e
         engine, trainer, valid = _load_row(engine_ptr, trainer_ptr, mask_ptr, row, offsets, end,
                                            stride_e, stride_t, stride_m)
         read, ratio, first, down, later = _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok,
-                                                       edges_ptr, E0, E1, E2, N_EDGES, STEPS)
+                                                       edges_ptr, E0, E1, E2, N_EDGES)
         after = carry[None, :] + tl.cumsum(later, axis=0, reverse=True) - later
         carry += tl.sum(later, axis=0)
         terms = tl.where(read[:, None] & lag_ok, first + after, -inf)
@@ -536,14 +536,14 @@ def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e
     if ticket == chunks - 1:
         _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e, stride_t, stride_m, acc_ptr,
                     part_ptr, tables_ptr, lags_ptr, edges_ptr, record_ptr, reasons_ptr, score_ptr, onset_ptr,
-                    delta_ptr, row, chunks, rows, E0, E1, E2, threshold, N_EDGES, STEPS, NUM_LAGS, LAG_BLOCK,
+                    delta_ptr, row, chunks, rows, E0, E1, E2, threshold, N_EDGES, NUM_LAGS, LAG_BLOCK,
                     COUNT_BINS, DELTA_BINS, N_DELTA_EDGES, HAS_CEILING, HAS_TOLERANCE, HAS_INJECTED, WIDTH, PART,
                     CHUNK_BLOCK, CHUNK, BLOCK, HIST_BLOCK, ROW_TILE)
 
 
 @triton.jit
 def _onset_mode(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, stride_m, tables_ptr, lags_ptr,
-                edges_ptr, row, chunk, carry, best, best_at, E0, E1, E2, N_EDGES: tl.constexpr, STEPS: tl.constexpr,
+                edges_ptr, row, chunk, carry, best, best_at, E0, E1, E2, N_EDGES: tl.constexpr,
                 NUM_LAGS: tl.constexpr, LAG_BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """The largest onset term ln Σ_lags of one chunk's read tokens and its earliest token, folded into ``best`` and
     ``best_at`` (scanned backwards: ≥ keeps the earliest); ``carry``: (LAG_BLOCK,) the later chunks' later-token
@@ -560,7 +560,7 @@ def _onset_mode(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, s
         engine, trainer, valid = _load_row(engine_ptr, trainer_ptr, mask_ptr, row, offsets, end,
                                            stride_e, stride_t, stride_m)
         read, _, first, _, later = _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok,
-                                                edges_ptr, E0, E1, E2, N_EDGES, STEPS)
+                                                edges_ptr, E0, E1, E2, N_EDGES)
         after = carry[None, :] + tl.cumsum(later, axis=0, reverse=True) - later
         carry += tl.sum(later, axis=0)
         per_token = _lse_lags(tl.where(read[:, None] & lag_ok, first + after, -float("inf")))  # (BLOCK,)
@@ -574,7 +574,7 @@ def _onset_mode(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, s
 @triton.jit
 def _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e, stride_t, stride_m, acc_ptr,
                 part_ptr, tables_ptr, lags_ptr, edges_ptr, record_ptr, reasons_ptr, score_ptr, onset_ptr, delta_ptr,
-                row, chunks, rows, E0, E1, E2, threshold, N_EDGES: tl.constexpr, STEPS: tl.constexpr,
+                row, chunks, rows, E0, E1, E2, threshold, N_EDGES: tl.constexpr,
                 NUM_LAGS: tl.constexpr, LAG_BLOCK: tl.constexpr, COUNT_BINS: tl.constexpr, DELTA_BINS: tl.constexpr,
                 N_DELTA_EDGES: tl.constexpr, HAS_CEILING: tl.constexpr, HAS_TOLERANCE: tl.constexpr,
                 HAS_INJECTED: tl.constexpr, WIDTH: tl.constexpr, PART: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
@@ -693,7 +693,7 @@ def _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_
                     best_onset, best_onset_at = _onset_mode(
                         engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, stride_m, tables_ptr,
                         lags_ptr, edges_ptr, row, block * CHUNK_BLOCK + at, carry, best_onset, best_onset_at, E0,
-                        E1, E2, N_EDGES, STEPS, NUM_LAGS, LAG_BLOCK, CHUNK, BLOCK)
+                        E1, E2, N_EDGES, NUM_LAGS, LAG_BLOCK, CHUNK, BLOCK)
     onset = tl.where(sparse > log_onset, best_token_at, best_onset_at)
     onset = tl.where(has, onset, -1)
     at_onset = tl.maximum(onset, 0).to(tl.int64)
@@ -745,7 +745,7 @@ def _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_
             engine, trainer, valid = _load_row(engine_ptr, trainer_ptr, mask_ptr, row, offsets, length,
                                                stride_e, stride_t, stride_m)
             read = _read(engine, trainer, valid)
-            local += tl.histogram(_region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES, STEPS,
+            local += tl.histogram(_region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES,
                                                COUNT_BINS), COUNT_BINS)
         slots = tl.arange(0, COUNT_BINS)
         tl.atomic_add(acc_ptr + COUNT_BINS + slots, local, mask=(slots < 4 * (N_EDGES + 1)) & (local > 0),

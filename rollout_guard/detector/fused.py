@@ -145,7 +145,7 @@ def _constants(device: torch.device, early_tokens: float) -> _Constants:
 def _common(device: torch.device, early_tokens: float) -> dict:
     constants = _constants(device, early_tokens)
     return {"edges_ptr": constants.edges, "E0": REGION_EDGES[0], "E1": REGION_EDGES[1], "E2": REGION_EDGES[2],
-            "N_EDGES": len(EDGES), "STEPS": _steps(len(EDGES))}
+            "N_EDGES": len(EDGES)}
 
 
 def record_size(rows: int) -> int:
