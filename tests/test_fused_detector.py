@@ -176,6 +176,27 @@ def test_the_fused_step_equals_the_torch_reference_on_the_gpu(name: str):
     _case(name, "cuda")
 
 
+def test_a_batch_of_more_rows_than_the_fused_grid_holds_is_judged_by_the_reference_on_the_gpu():
+    """Past fused.MAX_ROWS rows (CUDA's grid limit) the GPU judges with the torch reference: the same verdicts as
+    the CPU's, a corrupted row among them flagged."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from rollout_guard.detector import fused
+
+    rows = fused.MAX_ROWS + 1
+    generator = torch.Generator().manual_seed(0)
+    engine = -torch.rand(rows, 4, generator=generator)
+    trainer = engine + 0.02 * torch.randn(rows, 4, generator=generator)
+    trainer[rows - 1] = engine[rows - 1] - 12.0
+    mask = torch.ones(rows, 4, dtype=torch.bool)
+    want = Detector().judge(engine, trainer, mask)
+    got = Detector(device="cuda").judge(engine.cuda(), trainer.cuda(), mask.cuda())
+    assert got.record is None  # the reference's judgement: no fused record
+    assert torch.equal(got.reasons.cpu(), want.reasons)
+    assert want.reasons[rows - 1] != 0
+
+
 if __name__ == "__main__":
     import functools
     import sys

@@ -393,8 +393,8 @@ def _logaddexp(a, b):
 
 @triton.jit
 def _by_region(table_ptr, region, lag_index):
-    """(BLOCK, LAG_BLOCK): row ``region`` of a (NUM_REGIONS, LAG_BLOCK) table, per token."""
-    width = lag_index.shape[1]
+    """(LAG_BLOCK, BLOCK): row ``region`` of a (NUM_REGIONS, LAG_BLOCK) table, per token."""
+    width = lag_index.shape[0]
     r0 = tl.load(table_ptr + lag_index)
     r1 = tl.load(table_ptr + width + lag_index)
     r2 = tl.load(table_ptr + 2 * width + lag_index)
@@ -405,7 +405,7 @@ def _by_region(table_ptr, region, lag_index):
 @triton.jit
 def _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok, edges_ptr, E0, E1, E2,
                  N_EDGES: tl.constexpr):
-    """Per token of a block: whether it is read, x / b (its excess), and the (BLOCK, LAG_BLOCK) capped
+    """Per token of a block: whether it is read, x / b (its excess), and the (LAG_BLOCK, BLOCK) capped
     engine-favouring and trainer-favouring lag log ratios and the later-token log ratio (score.py)."""
     below_ptr = tables_ptr + 16
     edge_ptr = below_ptr + 8 * (N_EDGES + 2)
@@ -424,12 +424,12 @@ def _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok, ed
     beyond = _cdf(centre_side - tl.abs(x), region, side, below_ptr, edges_ptr, N_EDGES)
     mass = tl.load(tables_ptr + 8 + side * 4 + region)
     cap = tl.where(beyond > 0, tl.log(mass / tl.where(beyond > 0, beyond, 1.0)), float("inf"))
-    tail = tl.load(edge_ptr + 8 * lag_index.shape[1] + region)  # engine-favouring: also at most |x| / b_tail
+    tail = tl.load(edge_ptr + 8 * lag_index.shape[0] + region)  # engine-favouring: also at most |x| / b_tail
     cap = tl.where(up, tl.minimum(cap, tl.abs(x) / tail), cap)
-    xs = x[:, None]
-    per_b = (1.0 / b)[:, None]  # one division per token, then products
-    caps = cap[:, None]
-    regions = region[:, None]
+    xs = x[None, :]  # lags on the leading axis, so that one thread holds a token's lags
+    per_b = (1.0 / b)[None, :]  # one division per token, then products
+    caps = cap[None, :]
+    regions = region[None, :]
     first = tl.minimum((tl.abs(xs) - tl.abs(xs - lags)) * per_b, caps)
     down = tl.minimum((tl.abs(xs) - tl.abs(xs + lags)) * per_b, caps)
     inside = tl.minimum(tl.maximum(xs, 0.0), lags)
@@ -437,8 +437,8 @@ def _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok, ed
     scaled = inside * per_b
     middle = scaled + tl.log(tl.maximum(2.0 - tl.exp(-scaled) - tl.exp((inside - lags) * per_b), 1e-30))
     body = tl.where(xs <= 0, edge, tl.where(xs >= lags, lags * per_b + edge, middle))
-    later = _by_region(edge_ptr + 4 * lag_index.shape[1], regions, lag_index) + body  # ln(b/D) + body
-    counted = read[:, None] & lag_ok
+    later = _by_region(edge_ptr + 4 * lag_index.shape[0], regions, lag_index) + body  # ln(b/D) + body
+    counted = read[None, :] & lag_ok
     later = tl.where(counted, later, 0.0)
     first = tl.where(counted, first, -float("inf"))
     down = tl.where(counted, down, -float("inf"))
@@ -446,11 +446,11 @@ def _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok, ed
 
 
 @triton.jit
-def _lse_lags(values):
-    """Per token, ln Σ_lags exp(values) (−inf where every value is −inf)."""
-    top = tl.max(values, axis=1)
+def _lse_lags(values, LAG_AXIS: tl.constexpr):
+    """Per token (or chunk), ln Σ_lags exp(values) over axis ``LAG_AXIS`` (−inf where every value is −inf)."""
+    top = tl.max(values, axis=LAG_AXIS)
     safe = tl.where(top == -float("inf"), 0.0, top)
-    return safe + tl.log(tl.sum(tl.exp(values - safe[:, None]), axis=1))
+    return safe + tl.log(tl.sum(tl.exp(values - tl.expand_dims(safe, LAG_AXIS)), axis=LAG_AXIS))
 
 
 @triton.jit
@@ -476,12 +476,12 @@ def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e
     terms (each token's lag log ratio plus the later-token sum of the chunk's read tokens after it) the maximum and
     the sum of exp scaled by it; its share of the sparse alternative's sum, its strongest token and its largest
     x / b (``part`` second block, S_* order). The row's last chunk to finish combines the row (:func:`_finish_row`)."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    chunks = tl.num_programs(1)
+    chunk = tl.program_id(0)  # a row's chunks are scheduled together, so its finish overlaps other rows' chunks
+    row = tl.program_id(1).to(tl.int64)
+    chunks = tl.num_programs(0)
     first_token = chunk * CHUNK
     end = tl.minimum(first_token + CHUNK, length)
-    lag_index = tl.arange(0, LAG_BLOCK)[None, :]
+    lag_index = tl.arange(0, LAG_BLOCK)[:, None]
     lag_ok = lag_index < NUM_LAGS
     lags = tl.load(lags_ptr + lag_index, mask=lag_ok, other=1.0)
     inf = float("inf")
@@ -506,15 +506,15 @@ def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e
                                            stride_e, stride_t, stride_m)
         read, ratio, first, down, later = _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok,
                                                        edges_ptr, E0, E1, E2, N_EDGES)
-        after = carry[None, :] + tl.cumsum(later, axis=0, reverse=True) - later
-        carry += tl.sum(later, axis=0)
-        terms = tl.where(read[:, None] & lag_ok, first + after, -inf)
-        new_top = tl.maximum(top, tl.max(terms, axis=0))
+        after = carry[:, None] + tl.cumsum(later, axis=1, reverse=True) - later
+        carry += tl.sum(later, axis=1)
+        terms = tl.where(read[None, :] & lag_ok, first + after, -inf)
+        new_top = tl.maximum(top, tl.max(terms, axis=1))
         safe = tl.where(new_top == -inf, 0.0, new_top)
-        scaled = scaled * tl.exp(top - safe) + tl.sum(tl.exp(terms - safe[None, :]), axis=0)
+        scaled = scaled * tl.exp(top - safe) + tl.sum(tl.exp(terms - safe[:, None]), axis=1)
         top = new_top
         excess = tl.maximum(excess, tl.max(ratio, axis=0))
-        log_m = _logaddexp(_lse_lags(first) + ln_engine, _lse_lags(down) + ln_trainer) - tl.log(NUM_LAGS * 1.0)
+        log_m = _logaddexp(_lse_lags(first, 0) + ln_engine, _lse_lags(down, 0) + ln_trainer) - tl.log(NUM_LAGS * 1.0)
         log_m = tl.where(read, log_m, -inf)
         top_m = tl.max(log_m, axis=0)
         better = (top_m >= best) & (top_m > -inf)  # backwards, so ≥ keeps the earliest of equal tokens
@@ -522,7 +522,7 @@ def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e
         best = tl.where(better, top_m, best)
         sparse += tl.sum(tl.where(read, _logaddexp(log_rest + tl.zeros_like(log_m), log_pi + log_m), 0.0), axis=0)
     lane = tl.arange(0, PART)
-    in_block = lane[:, None] - lag_index  # lane − lag: which lag a lane of a block of LAG_BLOCK lanes holds
+    in_block = lane[:, None] - tl.arange(0, LAG_BLOCK)[None, :]  # lane − lag: which lag a lane of a block of LAG_BLOCK lanes holds
     values = tl.sum(tl.where(in_block == S_LATER, carry[None, :], 0.0), axis=1)
     values += tl.sum(tl.where(in_block == S_TOP, top[None, :], 0.0), axis=1)
     values += tl.sum(tl.where(in_block == S_SCALED, scaled[None, :], 0.0), axis=1)
@@ -550,7 +550,7 @@ def _onset_mode(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, s
     sums."""
     first_token = chunk * CHUNK
     end = tl.minimum(first_token + CHUNK, length)
-    lag_index = tl.arange(0, LAG_BLOCK)[None, :]
+    lag_index = tl.arange(0, LAG_BLOCK)[:, None]
     lag_ok = lag_index < NUM_LAGS
     lags = tl.load(lags_ptr + lag_index, mask=lag_ok, other=1.0)
     last_start = first_token + ((end - first_token + BLOCK - 1) // BLOCK - 1) * BLOCK
@@ -561,9 +561,9 @@ def _onset_mode(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, s
                                            stride_e, stride_t, stride_m)
         read, _, first, _, later = _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok,
                                                 edges_ptr, E0, E1, E2, N_EDGES)
-        after = carry[None, :] + tl.cumsum(later, axis=0, reverse=True) - later
-        carry += tl.sum(later, axis=0)
-        per_token = _lse_lags(tl.where(read[:, None] & lag_ok, first + after, -float("inf")))  # (BLOCK,)
+        after = carry[:, None] + tl.cumsum(later, axis=1, reverse=True) - later
+        carry += tl.sum(later, axis=1)
+        per_token = _lse_lags(tl.where(read[None, :] & lag_ok, first + after, -float("inf")), 0)  # (BLOCK,)
         top = tl.max(per_token, axis=0)
         better = (top >= best) & (top > -float("inf"))
         best_at = tl.where(better, start + tl.argmax(per_token, axis=0), best_at)
@@ -683,7 +683,7 @@ def _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_
             tops = tl.load(s + S_TOP, mask=inside, other=-inf, cache_modifier=".cg")
             k = suffix[None, :] + tl.cumsum(later, axis=0, reverse=True) - later
             suffix += tl.sum(later, axis=0)
-            upper = _lse_lags(tops + k)  # (CHUNK_BLOCK,)
+            upper = _lse_lags(tops + k, 1)  # (CHUNK_BLOCK,)
             flat = tl.arange(0, CHUNK_BLOCK)
             candidate = (block * CHUNK_BLOCK + flat < chunks) & (upper >= bound - margin)
             for i in range(0, CHUNK_BLOCK):

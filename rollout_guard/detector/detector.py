@@ -123,7 +123,8 @@ class Detector:
         noise. On a CUDA device with Triton, both sides present, the step runs fused (:mod:`.fused`) and the
         judgement also carries the rows' statistics (``injected``: (B,) labels for their column)."""
         if (engine is not None and trainer is not None and engine.dim() == 2 and engine.shape[0] > 0
-                and engine.shape[-1] > 0 and engine.shape == trainer.shape and fused.available(engine.device)):
+                and engine.shape[0] <= fused.MAX_ROWS and engine.shape[-1] > 0 and engine.shape == trainer.shape
+                and fused.available(engine.device)):
             return self._judge_fused(engine, trainer, mask, injected)
         mask = mask.bool()
         both = engine is not None and trainer is not None

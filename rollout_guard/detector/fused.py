@@ -43,15 +43,16 @@ ROW_COLUMNS = ("tokens", "compared_tokens", "max_abs_delta", "mean_abs_delta", "
                "onset_engine_logprob", "onset_trainer_logprob", "noise_scale", "excess")
 """The per-row statistics the score pass writes, in its order (``statistics.SAMPLE_COLUMNS``, checked there)."""
 WIDTH = len(ROW_COLUMNS)
+MAX_ROWS = 65_535  # rows a fused step takes: the score pass's grid holds them in CUDA's second dimension
 CHUNK = 512  # tokens: one program of each pass reads a chunk of a row (the histogram pass: at once)
 LAG_ROW_BLOCK = 128  # tokens the score pass reads at a time, each × LAG_BLOCK lags
 HIST_BLOCK = 1024  # tokens a suspect row's histogram reads at a time (one program per row)
 LAG_BLOCK = 8  # a power of two at or above len(LAGS)
 CHUNK_BLOCK = 64  # chunks a row's partials are read in at a time
 SCORE_REGISTERS = 128
-"""Registers per thread the score pass is compiled to: the compiler's own choice (253) leaves room for two blocks of
-four warps per SM. Capped at 128 the pass took 14 % less time at 256 rows × 4,096 tokens and 27 % less at
-512 × 8,192 on an H100; caps of 64–112 gained a few per cent more at the larger size and lost at the smaller."""
+"""Registers per thread the score pass is compiled to: four blocks of four warps fit an SM. On an H100 the pass took
+8 % less time at 256 rows × 4,096 tokens and 21 % less at 512 × 8,192 than at the compiler's own choice, and 2–8 %
+less than at 168 (docs/detector.md, "Implementation and speed")."""
 COUNT_SLOTS = 1024  # a power of two above NUM_REGIONS · NUM_BINS: the region × d histogram's slots, one spare
 DELTA_SLOTS = 128  # the same for the |Δ| histogram
 BINS = 256  # a power of two above NUM_BINS + 1: the noise arithmetic's block
@@ -209,7 +210,7 @@ def judge(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, injec
         constants.edges64, ZERO=ZERO, CAND_LO=CANDIDATES[0], N_CAND=len(CANDIDATES), N_EDGES=len(EDGES),
         STEPS=_steps(len(EDGES)), BINS=BINS, LAG_BLOCK=LAG_BLOCK, NUM_LAGS=len(LAGS), enable_fp_fusion=False,
         num_warps=8)
-    kernels.score_pass[grid](
+    kernels.score_pass[(chunks, rows)](
         engine, trainer, mask, injected if injected is not None else score, length, *strides, acc, work, tables,
         constants.lags, record, reasons, score, onset, delta, rows, threshold=threshold,
         ln_engine=math.log(ENGINE_FAVOURING), ln_trainer=math.log(1 - ENGINE_FAVOURING), NUM_LAGS=len(LAGS),
