@@ -522,7 +522,7 @@ def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e
         best = tl.where(better, top_m, best)
         sparse += tl.sum(tl.where(read, _logaddexp(log_rest + tl.zeros_like(log_m), log_pi + log_m), 0.0), axis=0)
     lane = tl.arange(0, PART)
-    in_block = lane[:, None] - tl.arange(0, LAG_BLOCK)[None, :]  # lane − lag: which lag a lane of a block of LAG_BLOCK lanes holds
+    in_block = lane[:, None] - tl.arange(0, LAG_BLOCK)[None, :]  # lane − lag: the lag a lane of a lag block holds
     values = tl.sum(tl.where(in_block == S_LATER, carry[None, :], 0.0), axis=1)
     values += tl.sum(tl.where(in_block == S_TOP, top[None, :], 0.0), axis=1)
     values += tl.sum(tl.where(in_block == S_SCALED, scaled[None, :], 0.0), axis=1)
