@@ -36,6 +36,7 @@ def _corrupt(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) ->
     trainer[6, 2] = engine[6, 2] - 30.0  # over the ceiling
     mask[7] = 0  # nothing to read
     trainer[8, 60:64] = engine[8, 60:64] - torch.tensor([2.0, 4.0, 6.0, 9.0])  # a few grey tokens
+    mask[0, 128:384] = 0  # a stretch the loss leaves out (a tool's output): whole blocks of a row with nothing to read
     injected[1:9] = True
     return injected
 

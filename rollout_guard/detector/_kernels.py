@@ -319,30 +319,32 @@ def token_pass(engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, st
         offsets = start + tl.arange(0, BLOCK)
         engine, trainer, valid = _load_row(engine_ptr, trainer_ptr, mask_ptr, row, offsets, end,
                                            stride_e, stride_t, stride_m)
-        engine_ok = valid & (tl.abs(engine) < inf)
-        trainer_ok = valid & (tl.abs(trainer) < inf)
-        read = engine_ok & trainer_ok
-        log_ratio = tl.where(read, trainer - engine, 0.0)
-        capped = tl.minimum(log_ratio, 30.0)
-        tokens += tl.sum(valid.to(tl.float32), axis=0)
-        compared += tl.sum(read.to(tl.float32), axis=0)
-        abs_sum += tl.sum(tl.abs(log_ratio), axis=0)
-        abs_max = tl.maximum(abs_max, tl.max(tl.where(read, tl.abs(log_ratio), -inf), axis=0))
-        ratio_sum += tl.sum(log_ratio, axis=0)
-        k3_sum += tl.sum(tl.where(read, tl.exp(capped) - 1.0 - capped, 0.0), axis=0)
-        engine_max = tl.maximum(engine_max, tl.max(tl.where(engine_ok, engine, -inf), axis=0))
-        engine_sum += tl.sum(tl.where(engine_ok, engine, 0.0), axis=0)
-        engine_count += tl.sum(engine_ok.to(tl.float32), axis=0)
-        trainer_max = tl.maximum(trainer_max, tl.max(tl.where(trainer_ok, trainer, -inf), axis=0))
-        trainer_sum += tl.sum(tl.where(trainer_ok, trainer, 0.0), axis=0)
-        trainer_count += tl.sum(trainer_ok.to(tl.float32), axis=0)
-        over_ceiling = tl.maximum(over_ceiling, tl.max((read & (tl.abs(log_ratio) > ceiling)).to(tl.float32), axis=0))
-        over_tolerance = tl.maximum(over_tolerance, tl.max((read & (tl.abs(engine - trainer) > tolerance))
-                                                           .to(tl.float32), axis=0))
-        local += tl.histogram(_region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES,
-                                           COUNT_BINS), COUNT_BINS)
-        bins = tl.maximum(_bucket(tl.abs(log_ratio), delta_edges_ptr, N_DELTA_EDGES, DELTA_STEPS) - 1, 0)
-        local_delta += tl.histogram(tl.where(read, bins, DELTA_BINS - 1), DELTA_BINS)
+        if tl.max(valid.to(tl.int32), axis=0) > 0:  # a block of padding adds nothing
+            engine_ok = valid & (tl.abs(engine) < inf)
+            trainer_ok = valid & (tl.abs(trainer) < inf)
+            read = engine_ok & trainer_ok
+            log_ratio = tl.where(read, trainer - engine, 0.0)
+            capped = tl.minimum(log_ratio, 30.0)
+            tokens += tl.sum(valid.to(tl.float32), axis=0)
+            compared += tl.sum(read.to(tl.float32), axis=0)
+            abs_sum += tl.sum(tl.abs(log_ratio), axis=0)
+            abs_max = tl.maximum(abs_max, tl.max(tl.where(read, tl.abs(log_ratio), -inf), axis=0))
+            ratio_sum += tl.sum(log_ratio, axis=0)
+            k3_sum += tl.sum(tl.where(read, tl.exp(capped) - 1.0 - capped, 0.0), axis=0)
+            engine_max = tl.maximum(engine_max, tl.max(tl.where(engine_ok, engine, -inf), axis=0))
+            engine_sum += tl.sum(tl.where(engine_ok, engine, 0.0), axis=0)
+            engine_count += tl.sum(engine_ok.to(tl.float32), axis=0)
+            trainer_max = tl.maximum(trainer_max, tl.max(tl.where(trainer_ok, trainer, -inf), axis=0))
+            trainer_sum += tl.sum(tl.where(trainer_ok, trainer, 0.0), axis=0)
+            trainer_count += tl.sum(trainer_ok.to(tl.float32), axis=0)
+            over_ceiling = tl.maximum(over_ceiling, tl.max((read & (tl.abs(log_ratio) > ceiling)).to(tl.float32),
+                                                           axis=0))
+            over_tolerance = tl.maximum(over_tolerance, tl.max((read & (tl.abs(engine - trainer) > tolerance))
+                                                               .to(tl.float32), axis=0))
+            local += tl.histogram(_region_bins(engine, trainer, read, edges_ptr, E0, E1, E2, N_EDGES,
+                                               COUNT_BINS), COUNT_BINS)
+            bins = tl.maximum(_bucket(tl.abs(log_ratio), delta_edges_ptr, N_DELTA_EDGES, DELTA_STEPS) - 1, 0)
+            local_delta += tl.histogram(tl.where(read, bins, DELTA_BINS - 1), DELTA_BINS)
     lane = tl.arange(0, PART)
     values = tl.where(lane == A_TOKENS, tokens, 0.0)
     values = tl.where(lane == A_COMPARED, compared, values)
@@ -504,23 +506,26 @@ def score_pass(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_e
         offsets = start + tl.arange(0, BLOCK)
         engine, trainer, valid = _load_row(engine_ptr, trainer_ptr, mask_ptr, row, offsets, end,
                                            stride_e, stride_t, stride_m)
-        read, ratio, first, down, later = _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index, lag_ok,
-                                                       edges_ptr, E0, E1, E2, N_EDGES)
-        after = carry[:, None] + tl.cumsum(later, axis=1, reverse=True) - later
-        carry += tl.sum(later, axis=1)
-        terms = tl.where(read[None, :] & lag_ok, first + after, -inf)
-        new_top = tl.maximum(top, tl.max(terms, axis=1))
-        safe = tl.where(new_top == -inf, 0.0, new_top)
-        scaled = scaled * tl.exp(top - safe) + tl.sum(tl.exp(terms - safe[:, None]), axis=1)
-        top = new_top
-        excess = tl.maximum(excess, tl.max(ratio, axis=0))
-        log_m = _logaddexp(_lse_lags(first, 0) + ln_engine, _lse_lags(down, 0) + ln_trainer) - tl.log(NUM_LAGS * 1.0)
-        log_m = tl.where(read, log_m, -inf)
-        top_m = tl.max(log_m, axis=0)
-        better = (top_m >= best) & (top_m > -inf)  # backwards, so ≥ keeps the earliest of equal tokens
-        best_at = tl.where(better, start + tl.argmax(log_m, axis=0), best_at)
-        best = tl.where(better, top_m, best)
-        sparse += tl.sum(tl.where(read, _logaddexp(log_rest + tl.zeros_like(log_m), log_pi + log_m), 0.0), axis=0)
+        if tl.max(valid.to(tl.int32), axis=0) > 0:  # a block of padding adds nothing
+            read, ratio, first, down, later = _token_terms(engine, trainer, valid, tables_ptr, lags, lag_index,
+                                                           lag_ok, edges_ptr, E0, E1, E2, N_EDGES)
+            after = carry[:, None] + tl.cumsum(later, axis=1, reverse=True) - later
+            carry += tl.sum(later, axis=1)
+            terms = tl.where(read[None, :] & lag_ok, first + after, -inf)
+            new_top = tl.maximum(top, tl.max(terms, axis=1))
+            safe = tl.where(new_top == -inf, 0.0, new_top)
+            scaled = scaled * tl.exp(top - safe) + tl.sum(tl.exp(terms - safe[:, None]), axis=1)
+            top = new_top
+            excess = tl.maximum(excess, tl.max(ratio, axis=0))
+            log_m = (_logaddexp(_lse_lags(first, 0) + ln_engine, _lse_lags(down, 0) + ln_trainer)
+                     - tl.log(NUM_LAGS * 1.0))
+            log_m = tl.where(read, log_m, -inf)
+            top_m = tl.max(log_m, axis=0)
+            better = (top_m >= best) & (top_m > -inf)  # backwards, so ≥ keeps the earliest of equal tokens
+            best_at = tl.where(better, start + tl.argmax(log_m, axis=0), best_at)
+            best = tl.where(better, top_m, best)
+            sparse += tl.sum(tl.where(read, _logaddexp(log_rest + tl.zeros_like(log_m), log_pi + log_m), 0.0),
+                             axis=0)
     lane = tl.arange(0, PART)
     in_block = lane[:, None] - tl.arange(0, LAG_BLOCK)[None, :]  # lane − lag: the lag a lane of a lag block holds
     values = tl.sum(tl.where(in_block == S_LATER, carry[None, :], 0.0), axis=1)
