@@ -5,7 +5,9 @@ What it computes equals the torch reference (:meth:`rollout_guard.detector.Detec
 rounding, and the noise to float64 rounding; checked by ``tests/test_fused_detector.py`` (in Triton's interpreter,
 and on a CUDA device) and by ``benchmarks/statistics_speed.py`` on the GPU.
 
-Each row is cut into chunks of :data:`CHUNK` tokens, one program per (row, chunk) in each pass over the tokens:
+Each row is cut into chunks of :data:`CHUNK` tokens, one program per (row, chunk) in each pass over the tokens; a
+block with no token in the loss mask (a row's padding, a stretch the loss leaves out) is read but not computed, since
+its terms add nothing:
 
 1. ``token_pass``: the read tokens' region × ``d`` histogram (:func:`rollout_guard.detector.noise.histogram`) and
    their |Δ| histogram (the statistics'), each chunk's counts, sums and maxima;
