@@ -33,8 +33,7 @@ SAMPLE_COLUMNS = (
     "nonfinite_trainer_tokens",  # tokens whose trainer logprob is NaN/±inf
     "injected",  # 1/0 ground truth from a fault injector, NaN without one
     "score",  # ln Λ, the detector's score (rollout_guard.detector.score); NaN without a compared token
-    "onset_token",  # index in the completion where the disagreement most likely starts (a kept row: its strongest
-    # token), −1 without one
+    "onset_token",  # index in the completion where the disagreement most likely starts, −1 without one
     "onset_engine_logprob",  # nats: the engine's logprob of the onset token
     "onset_trainer_logprob",  # nats: the trainer's logprob of the onset token
     "noise_scale",  # nats: the healthy-noise scale of the onset token's confidence region

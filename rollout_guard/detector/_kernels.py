@@ -676,8 +676,7 @@ def _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_
     has = compared > 0
     best_onset = -inf
     best_onset_at = -1
-    over = has & (score > threshold)
-    if over & (sparse <= log_onset):  # the onset is the mixture's mode: scan the chunks that can hold it
+    if has & (sparse <= log_onset):  # the onset is the mixture's mode: scan the chunks that can hold it
         margin = 1e-4 * tl.abs(bound) + 1e-2  # float32 rounding between the bound's sums and the scan's
         suffix = tl.zeros((LAG_BLOCK,), tl.float32)
         for back in range(0, blocks):
@@ -700,7 +699,7 @@ def _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_
                         engine_ptr, trainer_ptr, mask_ptr, length, stride_e, stride_t, stride_m, tables_ptr,
                         lags_ptr, edges_ptr, row, block * CHUNK_BLOCK + at, carry, best_onset, best_onset_at, E0,
                         E1, E2, N_EDGES, NUM_LAGS, LAG_BLOCK, CHUNK, BLOCK)
-    onset = tl.where((sparse > log_onset) | ~over, best_token_at, best_onset_at)  # kept: the strongest token
+    onset = tl.where(sparse > log_onset, best_token_at, best_onset_at)
     onset = tl.where(has, onset, -1)
     at_onset = tl.maximum(onset, 0).to(tl.int64)
     onset_engine = tl.load(engine_ptr + row * stride_e + at_onset).to(tl.float32)
@@ -709,7 +708,7 @@ def _finish_row(engine_ptr, trainer_ptr, mask_ptr, injected_ptr, length, stride_
     engine_nonfinite = tokens - engine_count
     trainer_nonfinite = tokens - trainer_count
     reasons = ((engine_nonfinite > 0).to(tl.int32) | (trainer_nonfinite > 0).to(tl.int32) * 2
-               | over.to(tl.int32) * 8)
+               | (has & (score > threshold)).to(tl.int32) * 8)
     if HAS_CEILING:
         reasons = reasons | (over_ceiling > 0).to(tl.int32) * 4
     if HAS_TOLERANCE:

@@ -31,8 +31,7 @@ over the run, two-sided, would otherwise be learned as healthy noise)."""
 
 class Judgement(NamedTuple):
     score: torch.Tensor  # (B,) float32 ln Λ (rollout_guard.detector.score); −inf without a read token
-    onset: torch.Tensor  # (B,) int64: the token where the disagreement most likely starts (a kept row: its strongest
-    # token; score.RowScores); −1 without one
+    onset: torch.Tensor  # (B,) int64: the token where the disagreement most likely starts; −1 without one
     excess: torch.Tensor  # (B,) float32 (float64 on CUDA): the most engine-favouring token's distance from the
     # centre, in scales
     reasons: torch.Tensor  # (B,) int32 bitmask over RULES; nonzero: suspect
@@ -149,7 +148,7 @@ class Detector:
         mirrored = noise._replace(centre=-noise.centre)
         cap = torch.where(x > 0, engine_favouring_cap(counts, noise, region, x),
                           tail_rarity(self.down_reference(batch).flip(1), mirrored, region, x))
-        scored = row_scores(x, scale, read, cap, self.threshold)
+        scored = row_scores(x, scale, read, cap)
         reasons = (((mask & ~finite_engine).any(-1)).int() * RULE_BIT["nonfinite_engine"]
                    | ((mask & ~finite_trainer).any(-1)).int() * RULE_BIT["nonfinite_trainer"]
                    | (scored.score > self.threshold).int() * RULE_BIT["score"])

@@ -18,8 +18,8 @@ its terms add nothing:
    later-token log ratios, and of the onset terms (within the chunk) the maximum and the scaled sum of exp; the
    chunk's share of the sparse alternative, its strongest token, its largest excess. The last chunk of a row to
    finish combines the row: the later chunks' sums complete each chunk's onset terms (a suffix sum over chunks), so
-   the onset mixture's log-sum-exp is exact; a row over the threshold finds its mode by scanning again only the
-   chunks whose bound can reach it. Then the verdict bits and every statistic in :data:`ROW_COLUMNS` order; a suspect row's tokens go into
+   the onset mixture's log-sum-exp is exact; its mode is found by scanning again only the chunks whose bound can
+   reach it. Then the verdict bits and every statistic in :data:`ROW_COLUMNS` order; a suspect row's tokens go into
    a second histogram, and the last row to finish writes the kept rows' histogram, the batch's less the suspect
    rows'.
 

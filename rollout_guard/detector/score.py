@@ -45,9 +45,8 @@ class RowScores(NamedTuple):
     score: torch.Tensor
     """(B,) float32 ln Λ; −inf for a row without a read token."""
     onset: torch.Tensor
-    """(B,) int64: the read token where the disagreement most likely starts: over the threshold, the mode of the
-    onset mixture, or the sparse alternative's strongest token where that dominates; at or under it, the strongest
-    token; −1 without a read token."""
+    """(B,) int64: the read token where the disagreement most likely starts (the mode of the onset mixture, or the
+    sparse alternative's strongest token where that dominates); −1 without a read token."""
     excess: torch.Tensor
     """(B,) float32: the largest engine-favouring ``x / b`` of the row, how many healthy-noise scales beyond its
     region's centre its most engine-favouring token lies; NaN without a read token."""
@@ -100,8 +99,7 @@ def later_log_ratio(x: torch.Tensor, b: torch.Tensor, lag: torch.Tensor) -> torc
     return torch.log(b / lag) + body
 
 
-def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: torch.Tensor | None = None,
-               threshold: float = -math.inf) -> RowScores:
+def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: torch.Tensor | None = None) -> RowScores:
     """Each row's ``ln Λ`` (module docstring), its onset and its largest excess.
 
     Args:
@@ -110,8 +108,6 @@ def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: to
         read: (B, T) bool: the tokens that count (in the loss mask, both logprobs finite).
         cap: (B, T) float, optional: the most a token's log ratio may count for (a lag at that token; the run's own
             tail rarity, :func:`rollout_guard.detector.noise.tail_rarity`); capping from above keeps ``E[Λ] ≤ 1``.
-        threshold: ln Λ; a row scoring at or under it takes its strongest token as its onset, not the onset
-            mixture's mode (finding the mode is the costliest part of a row's finish in the fused pass).
     Returns:
         :class:`RowScores`, on ``x``'s device; rows are scored in chunks of at most :data:`CHUNK_ELEMENTS`
         rows × tokens × lags, so that the intermediates stay small.
@@ -131,15 +127,14 @@ def row_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: to
         return RowScores(none - math.inf, none.long() - 1, none + math.nan)
     rows = max(1, CHUNK_ELEMENTS // max(x.shape[-1] * len(LAGS), 1))
     cap = torch.full_like(x, math.inf) if cap is None else cap
-    parts = [_chunk_scores(x[i: i + rows], scale[i: i + rows], read[i: i + rows], cap[i: i + rows], threshold)
+    parts = [_chunk_scores(x[i: i + rows], scale[i: i + rows], read[i: i + rows], cap[i: i + rows])
              for i in range(0, x.shape[0], rows)]
     if len(parts) == 1:
         return parts[0]
     return RowScores(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
-def _chunk_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: torch.Tensor,
-                  threshold: float) -> RowScores:
+def _chunk_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap: torch.Tensor) -> RowScores:
     x, scale, read, cap = x.float(), scale.float(), read.bool(), cap.float().unsqueeze(-1)
     x = torch.where(read, x, torch.zeros_like(x))
     b = torch.where(read, scale, torch.ones_like(scale)).unsqueeze(-1)  # (B, T, 1)
@@ -165,11 +160,10 @@ def _chunk_scores(x: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, cap:
     score = torch.logaddexp(log_onset, log_sparse) - math.log(2.0)
     has = n > 0
     score = torch.where(has, score, torch.full_like(score, -math.inf))
-    # where it starts: over the threshold the onset mixture's mode, or the sparse alternative's strongest token where
-    # that dominates; else the strongest token
+    # where it starts: the onset mixture's mode, or the sparse alternative's strongest token where that dominates
     by_onset = torch.logsumexp(onset_terms, dim=-1).argmax(-1)
     by_token = torch.where(read, log_m, torch.full_like(log_m, -math.inf)).argmax(-1)
-    onset = torch.where((log_sparse > log_onset) | ~(score > threshold), by_token, by_onset)
+    onset = torch.where(log_sparse > log_onset, by_token, by_onset)
     onset = torch.where(has, onset, torch.full_like(onset, -1))
     ratio = torch.where(read, x / b.squeeze(-1), torch.full_like(x, -math.inf)).amax(-1)
     excess = torch.where(has, ratio, torch.full_like(ratio, math.nan))
