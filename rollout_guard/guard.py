@@ -41,6 +41,10 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 STATUS_OK, STATUS_INPUT_ERROR, STATUS_FAILURE = 1.0, 0.0, -1.0
 
 
+class _NotJudged(Exception):
+    """A process's packet says it could not judge its rows: the step is reported as not judged."""
+
+
 def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -247,10 +251,7 @@ class RolloutGuard:
         # this rank's verdicts as a device mask, taken before the gather's wait (no host→device copy after it)
         local = packet[PacketLayout.of(batch).reasons] != 0 if self.config.quarantines else None
         gathered = self.sync(packet)
-        try:
-            return self.compute(step, batch, gathered, error, started, local, extras)
-        except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
-            return self._failed_step(step, batch, gathered[:, :2].cpu(), caught, started)
+        return self.compute(step, batch, gathered, error, started, local, extras)
 
     def update(self, evidence: RolloutEvidence | BaseException,
                batch_size: int | None = None) -> tuple[torch.Tensor, int, BaseException | None]:
@@ -308,24 +309,37 @@ class RolloutGuard:
                 started: float, local: torch.Tensor | None, extras: int = 0) -> StepReport:
         """The step's report from every process's packet; the detector learns the kept rows of the global batch."""
         layout = PacketLayout.of(batch)
+        # the state the step was judged against: the update replaces the state's tensors, never writes into them
+        judged_with = {name: getattr(self.detector, name) for name in self.detector.STATE}
+        host = None
+        try:
+            # the learning is launched before the one host copy, so that it runs while the host waits for the
+            # device; on the device, from the gathered packets (summed over ranks there): the same on every rank
+            self.detector.update(gathered[:, layout.counts].view(-1, NUM_REGIONS, NUM_BINS))
+            # the one host sync: statuses, check flags, statistics, verdicts, histogram and noise in one copy
+            host = gathered.cpu()
+            if bool((host[:, 0] != STATUS_OK).any()):
+                raise _NotJudged
+            return self._report(step, batch, host, layout, gathered.device, judged_with, started, local, extras)
+        except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
+            for name, value in judged_with.items():  # a step that was not judged teaches nothing
+                setattr(self.detector, name, value)
+            head = host[:, :2] if host is not None else gathered[:, :2].cpu()
+            return self._failed_step(step, batch, head, error if isinstance(caught, _NotJudged) else caught, started)
+
+    def _report(self, step: int, batch: int, host: torch.Tensor, layout: PacketLayout, device: torch.device,
+                judged_with: dict[str, torch.Tensor], started: float, local: torch.Tensor | None,
+                extras: int) -> StepReport:
+        """The report of a judged step from every process's packet, copied to the host."""
         width = layout.width
-        # the one host sync: statuses, check flags, statistics, verdicts, histogram and noise in one copy
-        host = gathered.cpu()
         head = host[:, :2].tolist()  # per rank: status, check flag
-        if any(status != STATUS_OK for status, _ in head):
-            return self._failed_step(step, batch, host[:, :2], error, started)
         reasons_host = host[:, layout.reasons].reshape(-1).to(torch.int32)
-        judged_with = None
-        if bool(reasons_host.any()):  # the state before the update, which replaces the tensors (never writes them)
-            judged_with = {name: getattr(self.detector, name) for name in self.detector.STATE}
-        # on the device, from the gathered packets (summed over ranks there): the same on every rank, no host copy
-        self.detector.update(gathered[:, layout.counts].view(-1, NUM_REGIONS, NUM_BINS))
         local_rows = slice(self.process_index * batch, (self.process_index + 1) * batch)
         suspect_host = reasons_host != 0
         if self.config.quarantines:  # from the device copy (inspect): no host→device transfer
             local_quarantined = local
         else:
-            local_quarantined = torch.zeros(batch, dtype=torch.bool, device=gathered.device)
+            local_quarantined = torch.zeros(batch, dtype=torch.bool, device=device)
         histogram = host[:, layout.histogram].sum(dim=0)
         report = StepReport(
             step=step,
@@ -338,7 +352,7 @@ class RolloutGuard:
             local_quarantined=local_quarantined,
             check_flags=[int(flag) for _, flag in head],
             threshold=self.detector.threshold,
-            detector_state=judged_with,
+            detector_state=judged_with if bool(suspect_host.any()) else None,
             row_extras=host[:, layout.size:].reshape(-1, extras).double() if extras else None,
         )
         report.metrics = step_metrics(combine_aggregates(host[:, layout.aggregates]), host.shape[0] * batch,

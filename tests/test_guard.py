@@ -199,6 +199,33 @@ def test_check_flags_reach_every_rank_also_in_a_step_it_could_not_judge():
     assert [guard.totals.failures for guard in guards] == [1, 1]
 
 
+def test_a_step_one_rank_could_not_judge_teaches_no_rank_s_detector():
+    """The learning is launched before the step's host copy shows whether every rank judged its rows: a step that
+    turns out not judged (rank 1 failed) or whose report fails leaves every rank's noise as it was."""
+    group = ThreadGroup(2)
+    guards = [RolloutGuard(GuardConfig(), gather=group.gather_for(rank), process_index=rank) for rank in range(2)]
+
+    def run(rank: int) -> None:
+        guards[rank].inspect(batch(rank, []), step=1, batch_size=8)
+        evidence = batch(rank + 2, []) if rank == 0 else RuntimeError("rank 1 cannot build its packet")
+        assert guards[rank].inspect(evidence, step=2, batch_size=8).skipped
+
+    group.run(run)
+    learned = [guard.detector.counts.sum().item() for guard in guards]
+    assert learned[0] == learned[1] == 2 * batch(0, []).mask.sum().item()
+
+    guard = RolloutGuard(GuardConfig())
+    guard.inspect(batch(0, []), step=1)
+    before = guard.detector.counts.clone()
+
+    def failing(step, metrics):
+        raise RuntimeError("the alerts failed")
+
+    guard.alerts.check = failing
+    report = guard.inspect(batch(1, []), step=2)
+    assert report.skipped and torch.equal(guard.detector.counts, before)
+
+
 def test_counts_stay_exact_above_float32_precision():
     """3 ranks × 5,592,407 compared tokens = 16,777,221 tokens in one histogram bin and in the
     token count, one more than float32 can hold exactly (2^24 + 5 rounds to 2^24 + 4)."""
