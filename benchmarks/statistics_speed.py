@@ -18,7 +18,8 @@ The guard and the detector run warm (eight steps of the same batch first, as lat
 told the sampling settings, as the TRL adapter tells it. On the GPU the TRL ops and the guard are then timed
 alternately ``--rounds`` times: the ratio's median and range over pairs of medians taken back to back (single
 medians a minute apart differed by up to 1.7× on a lent H200 host); also the host syncs per step (counted with
-``torch.cuda.set_sync_debug_mode``) and the extra device memory of each (peak above its inputs) against its inputs.
+``torch.cuda.set_sync_debug_mode``), the extra device memory of each (peak above its inputs) against its inputs,
+and the guard's step in parts (:data:`STEP_PARTS`, medians).
 Printed: one JSON line per size, then a table; ``--out`` writes them all as JSON.
 
     python benchmarks/statistics_speed.py --device cuda --out statistics_speed.json
@@ -31,6 +32,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 
 import torch
 
@@ -38,6 +40,9 @@ from guard_overhead import make_batch, time_it as _time_it  # this folder's shar
 from rollout_guard import GuardConfig, RolloutEvidence, RolloutGuard
 from rollout_guard.detector import Detector
 
+STEP_PARTS = ("until_copy", "copy", "after_copy")
+"""``RolloutGuard.last_step_parts``: host time until the step's one host copy (the judgement's launches, the packet,
+the learning's launch), in it (waiting for the device), after it (the verdict's bookkeeping)."""
 SAMPLING = ("temperature=1", "top_p=1", "top_k=0")  # told the settings, as the TRL adapter tells it every step
 WARM_STEPS = 8
 
@@ -181,6 +186,13 @@ def measure(rows: int, length: int, device: torch.device, repeats: int, rounds: 
         for _ in range(rounds):  # interleaved: each ratio from two medians taken back to back
             trl_ms, guard_ms = 1e3 * time_it(trl, device, repeats), 1e3 * time_it(inspect, device, repeats)
             row["rounds"].append({"trl_ops_ms": trl_ms, "guard_ms": guard_ms, "ratio": guard_ms / trl_ms})
+        parts = []
+        for _ in range(repeats):  # the guard's step in parts, from its own clock (no synchronisation between them)
+            inspect()
+            torch.cuda.synchronize(device)
+            parts.append(guard.last_step_parts)
+        row["step_parts_ms"] = {name: 1e3 * statistics.median(p[i] for p in parts)
+                                for i, name in enumerate(STEP_PARTS)}
     return row
 
 

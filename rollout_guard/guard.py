@@ -212,6 +212,9 @@ class RolloutGuard:
         self.sampling: tuple | None = None  # the sampling settings the detector's noise was learned under
         self.noise_resets = 0
         self.last_guard_seconds = 0.0
+        # host seconds of the last judged step: until its one host copy, in the copy (waiting for the device, the
+        # collective's wait included), after it
+        self.last_step_parts = (0.0, 0.0, 0.0)
         self.checks: str | None = None  # what the caller's setup lets the guard check, when not everything (summary)
         self._heads: dict[torch.device, torch.Tensor] = {}  # per device, a packet's head: status ok, no check flag
 
@@ -317,10 +320,14 @@ class RolloutGuard:
             # device; on the device, from the gathered packets (summed over ranks there): the same on every rank
             self.detector.update(gathered[:, layout.counts].view(-1, NUM_REGIONS, NUM_BINS))
             # the one host sync: statuses, check flags, statistics, verdicts, histogram and noise in one copy
+            copying = time.perf_counter()
             host = gathered.cpu()
+            copied = time.perf_counter()
             if bool((host[:, 0] != STATUS_OK).any()):
                 raise _NotJudged
-            return self._report(step, batch, host, layout, gathered.device, judged_with, started, local, extras)
+            report = self._report(step, batch, host, layout, gathered.device, judged_with, started, local, extras)
+            self.last_step_parts = (copying - started, copied - copying, started + self.last_guard_seconds - copied)
+            return report
         except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
             for name, value in judged_with.items():  # a step that was not judged teaches nothing
                 setattr(self.detector, name, value)

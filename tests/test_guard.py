@@ -226,6 +226,15 @@ def test_a_step_one_rank_could_not_judge_teaches_no_rank_s_detector():
     assert report.skipped and torch.equal(guard.detector.counts, before)
 
 
+def test_a_judged_step_s_parts_add_up_to_its_time():
+    """``last_step_parts``: host seconds until the one host copy, in it, after it; together the step's time."""
+    guard = RolloutGuard(GuardConfig())
+    report = guard.inspect(batch(0, [1]), step=1)
+    until_copy, copy, after_copy = guard.last_step_parts
+    assert min(guard.last_step_parts) >= 0 and until_copy > 0 and after_copy > 0
+    assert until_copy + copy + after_copy == pytest.approx(report.metrics["guard_seconds"], rel=1e-9)
+
+
 def test_counts_stay_exact_above_float32_precision():
     """3 ranks × 5,592,407 compared tokens = 16,777,221 tokens in one histogram bin and in the
     token count, one more than float32 can hold exactly (2^24 + 5 rounds to 2^24 + 4)."""
