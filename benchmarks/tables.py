@@ -143,6 +143,23 @@ def statistics_speed(root: Path) -> list[str]:
         "", f"The guard's step at most TRL's ops: {', '.join(at_most) if at_most else 'at no size'}."]
 
 
+def statistics_speed_parts(root: Path) -> list[str]:
+    """``statistics_speed.py``: per size the guard's step in parts from its own clock (host time until its one host
+    copy, waiting in the copy, after it), medians, with its whole step and TRL's ops (medians over the rounds)."""
+    data, path = results(root, "statistics_speed")
+    rows = []
+    for row in data["rows"]:
+        parts = row["step_parts_ms"]
+        rounds = row["rounds"]
+        rows.append([size(row["rows"], row["tokens_per_row"]), fixed(parts["until_copy"], 2),
+                     fixed(parts["copy"], 2), fixed(parts["after_copy"], 2),
+                     fixed(statistics.median(r["guard_ms"] for r in rounds), 2),
+                     fixed(statistics.median(r["trl_ops_ms"] for r in rounds), 2)])
+    return [f"`{path}`: medians of {data['repeats']} steps.", ""] + table(
+        ["rows × tokens", "until the copy (ms)", "in the copy: waiting for the device (ms)", "after the copy (ms)",
+         "whole step (ms)", "TRL's ops (ms)"], rows)
+
+
 def cost_summary(root: Path) -> list[str]:
     """The README's costs measured by benchmarks with a committed results file: the guard's step against TRL's ops
     (``statistics_speed``), whole training steps with and without the guard (``training_step_ab``, one row per
@@ -421,6 +438,7 @@ def soak(root: Path) -> list[str]:
 TABLES: dict[str, Callable[[Path], list[str]]] = {
     "cost_summary": cost_summary,
     "statistics_speed": statistics_speed,
+    "statistics_speed_parts": statistics_speed_parts,
     "engine_context": engine_context,
     "real_engine_detection": real_engine_detection,
     "fidelity_totals": fidelity_totals,
