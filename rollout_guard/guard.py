@@ -41,10 +41,6 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 STATUS_OK, STATUS_INPUT_ERROR, STATUS_FAILURE = 1.0, 0.0, -1.0
 
 
-class _NotJudged(Exception):
-    """A process's packet says it could not judge its rows: the step is reported as not judged."""
-
-
 def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -323,16 +319,20 @@ class RolloutGuard:
             copying = time.perf_counter()
             host = gathered.cpu()
             copied = time.perf_counter()
-            if bool((host[:, 0] != STATUS_OK).any()):
-                raise _NotJudged
-            report = self._report(step, batch, host, layout, gathered.device, judged_with, started, local, extras)
-            self.last_step_parts = (copying - started, copied - copying, started + self.last_guard_seconds - copied)
-            return report
-        except Exception as caught:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
-            for name, value in judged_with.items():  # a step that was not judged teaches nothing
-                setattr(self.detector, name, value)
-            head = host[:, :2] if host is not None else gathered[:, :2].cpu()
-            return self._failed_step(step, batch, head, error if isinstance(caught, _NotJudged) else caught, started)
+            if bool((host[:, 0] != STATUS_OK).any()):  # some process could not judge its rows
+                caught: BaseException | None = error
+            else:
+                report = self._report(step, batch, host, layout, gathered.device, judged_with, started, local,
+                                      extras)
+                self.last_step_parts = (copying - started, copied - copying,
+                                        started + self.last_guard_seconds - copied)
+                return report
+        except Exception as failure:  # noqa: BLE001 - deterministic on the gathered data, so every rank lands here
+            caught = failure
+        for name, value in judged_with.items():  # a step that was not judged teaches nothing
+            setattr(self.detector, name, value)
+        head = host[:, :2] if host is not None else gathered[:, :2].cpu()
+        return self._failed_step(step, batch, head, caught, started)
 
     def _report(self, step: int, batch: int, host: torch.Tensor, layout: PacketLayout, device: torch.device,
                 judged_with: dict[str, torch.Tensor], started: float, local: torch.Tensor | None,
