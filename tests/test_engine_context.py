@@ -123,6 +123,26 @@ def test_charts_draw_with_and_without_engine_stats(tmp_path):
     assert engine_samples_chart(samples, tmp_path / "c.png").is_file()
 
 
+def test_the_engine_chart_says_which_fields_the_engine_did_not_give():
+    """A panel with no value at all carries a note naming its fields; a panel with values carries none."""
+    from rollout_guard.outputs.charts import engine_figure
+
+    def notes(rows: list[dict]) -> list[str]:
+        import matplotlib.pyplot as plt
+
+        figure = engine_figure(engine_history(rows))
+        texts = [text.get_text() for axis in figure.axes for text in axis.texts]
+        plt.close(figure)
+        return texts
+
+    bare = [{"step": s, "max_abs_delta": 0.1, "engine/weight_version": float(s)} for s in range(1, 4)]
+    assert notes(bare) == ["KV-cache usage, running requests: not given by this engine mode (engine stats off?)"]
+    one_gauge = [dict(row, **{"engine/running_requests": 3.0}) for row in bare]  # server mode: a gauge per step
+    assert notes(one_gauge) == []
+    nothing = [{"step": s, "max_abs_delta": 0.1} for s in range(1, 4)]
+    assert len(notes(nothing)) == 2
+
+
 def test_record_contexts_are_per_row_copies():
     from rollout_guard.integrations.trl.engine_context import StepEngineContext, add_context_to_records
 

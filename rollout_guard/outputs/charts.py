@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 
 def _save(figure: plt.Figure, path: str | Path) -> Path:
@@ -164,16 +165,25 @@ def _edges(steps: Sequence[float]) -> list[float]:
 
 
 def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> Path:
-    """The mismatch next to the engine's state, per step (rows of :func:`rollout_guard.outputs.engine_view.engine_history`).
-    Top: max |Δ| (log, left) and quarantined share (right). Middle: KV-cache usage (max and mean over the step's
+    """The mismatch next to the engine's state, per step (rows of :func:`rollout_guard.outputs.engine_view.engine_history`),
+    drawn by :func:`engine_figure`."""
+    return _save(engine_figure(history, title), path)
+
+
+def engine_figure(history: Sequence[dict], title: str = "") -> plt.Figure:
+    """Top: max |Δ| (log, left) and quarantined share (right). Middle: KV-cache usage (max and mean over the step's
     engine iterations, %, left) and running requests (max, right). Bottom: weight version (syncs since start) and
-    preemptions. Missing values (an engine mode that does not give them) leave gaps."""
+    preemptions. A value missing at a step (an engine mode that does not give it) leaves a gap; a panel with no
+    value at all says which fields the engine did not give."""
     steps = [row["step"] for row in history]
     figure, (top, middle, bottom) = plt.subplots(3, 1, figsize=(12, 8), dpi=110, sharex=True, layout="constrained")
     deltas = _floored(_column(history, "max_abs_delta"))
     top.plot(steps, deltas, color="#1f77b4", marker=".", lw=1.2, label="max |Δ| (nats)")
     if not all(math.isnan(v) for v in deltas):
         top.set_yscale("log")
+        # plain numbers (a narrow range's minor labels otherwise read 1.4×10¹), thinned as matplotlib's own
+        top.yaxis.set_major_formatter(ticker.LogFormatter())
+        top.yaxis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False))
     top.set_ylabel("max |Δ| per step (nats)")
     share = top.twinx()
     # one filled outline for the whole series, not one bar per step: each row's area reaches halfway to its neighbours
@@ -185,11 +195,10 @@ def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> 
     usage_max = _column(history, "engine/kv_cache_usage_max")
     if all(math.isnan(v) for v in usage_max):  # server mode: the gauge at scrape time
         usage_max = _column(history, "engine/kv_cache_usage")
+    usage_mean = _column(history, "engine/kv_cache_usage_mean")
     middle.plot(steps, [100 * v for v in usage_max], color="#9467bd", marker="o", ms=3, lw=1.2,
                 label="KV-cache usage, max (%)")
-    middle.plot(steps, [100 * v for v in _column(history, "engine/kv_cache_usage_mean")], color="#9467bd",
-                ls="--", lw=1,
-                label="KV-cache usage, mean (%)")
+    middle.plot(steps, [100 * v for v in usage_mean], color="#9467bd", ls="--", lw=1, label="KV-cache usage, mean (%)")
     middle.set_ylabel("KV-cache usage (%)")
     running = middle.twinx()
     running_max = _column(history, "engine/running_requests_max")
@@ -197,20 +206,32 @@ def engine_chart(history: Sequence[dict], path: str | Path, title: str = "") -> 
         running_max = _column(history, "engine/running_requests")
     running.plot(steps, running_max, color="#2ca02c", marker="s", ms=3, lw=1.2, label="running requests, max")
     running.set_ylabel("running requests")
-    bottom.step(steps, _column(history, "engine/weight_version"), where="mid", color="#ff7f0e", lw=1.5,
-                label="weight version (syncs)")
+    versions = _column(history, "engine/weight_version")
+    bottom.step(steps, versions, where="mid", color="#ff7f0e", lw=1.5, label="weight version (syncs)")
     bottom.set_ylabel("weight version")
     preempted = bottom.twinx()
-    preempted.plot(steps, _column(history, "engine/preemptions"), color="#8c564b", marker="x", lw=0.8,
-                   label="preemptions")
+    preemptions = _column(history, "engine/preemptions")
+    preempted.plot(steps, preemptions, color="#8c564b", marker="x", lw=0.8, label="preemptions")
     preempted.set_ylabel("preemptions")
     bottom.set_xlabel("training step")
     for axis in (top, middle, bottom):
         axis.grid(True, alpha=0.3)
+    for axis, values in ((running, running_max), (bottom, versions), (preempted, preemptions)):  # counts: from 0
+        axis.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        upper = max([v for v in values if not math.isnan(v)], default=0) + 1
+        axis.set_ylim(-0.05 * upper, upper)  # a marker at 0 drawn whole
+    bottom.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # training steps
+    for axis, fields in ((middle, "KV-cache usage, running requests"), (bottom, "weight version, preemptions")):
+        twin = running if axis is middle else preempted
+        if all(math.isnan(v) for line in axis.get_lines() + twin.get_lines() for v in line.get_ydata()):
+            axis.text(0.5, 0.5, f"{fields}: not given by this engine mode (engine stats off?)", ha="center",
+                      va="center", transform=axis.transAxes, fontsize=9, color="#7f7f7f")
+            axis.set_yticks([])
+            twin.set_yticks([])
     handles = [h for axis in (top, share, middle, running, bottom, preempted)
                for h in axis.get_legend_handles_labels()[0]]
     figure.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
-    return _save(figure, path)
+    return figure
 
 
 def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str = "") -> Path:
@@ -239,6 +260,8 @@ def engine_samples_chart(samples: Sequence[dict], path: str | Path, title: str =
                              label="suspect")
         axis.set_xlabel(label)
         axis.grid(True, alpha=0.3)
+        if key != "kv_cache_usage_max":  # counts
+            axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     if not all(math.isnan(v) for v in delta):
         axes[0].set_yscale("log")
     axes[0].set_ylabel(f"max |logprob engine − trainer| of the rollout (nats; 0 at {DELTA_FLOOR:g})")
