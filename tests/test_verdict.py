@@ -64,3 +64,20 @@ def test_several_reasons_on_one_rollout_are_all_named_and_counted():
                                            "tolerance": 0}
     assert sorted(RULE_BIT.values()) == [1 << i for i in range(len(RULES))]
     assert set(RULE_TEXT) == set(RULES)
+
+
+def test_a_record_gives_the_onset_as_loss_mask_tokens_before_it_and_explains_the_verdict():
+    """verdict_fields: the onset's padded position becomes the count of loss-mask tokens before it; a row without an
+    onset keeps NaN; the rules and the sentence follow from the verdict bits."""
+    from rollout_guard.outputs.records import verdict_fields
+    from rollout_guard.statistics import SAMPLE_COLUMNS
+
+    values = {"score": 25.5, "onset_token": 9.0, "onset_engine_logprob": -3.5, "onset_trainer_logprob": -12.7,
+              "noise_scale": 0.25}
+    sample = [values.get(name, 0.0) for name in SAMPLE_COLUMNS]
+    fields = verdict_fields(sample, RULE_BIT["score"], 6.9, tokens_before_onset=7.0)
+    assert fields["stats"]["onset_token"] == 7.0 and fields["rules"] == ["score"]
+    assert fields["explanation"].startswith("suspect: from token 7 (engine -3.5, trainer -12.7 nats)")
+    sample[SAMPLE_COLUMNS.index("onset_token")] = math.nan
+    fields = verdict_fields(sample, RULE_BIT["nonfinite_engine"], 6.9, tokens_before_onset=math.nan)
+    assert math.isnan(fields["stats"]["onset_token"]) and fields["rules"] == ["nonfinite_engine"]

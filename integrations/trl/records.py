@@ -13,9 +13,8 @@ from rollout_guard.evidence import RolloutEvidence
 from rollout_guard.guard import StepReport
 from rollout_guard.integrations.trl.batch import require
 from rollout_guard.integrations.trl_versions import version, vllm_version
-from rollout_guard.outputs.records import QuarantineRecord, decode_records
-from rollout_guard.statistics import COLUMN, SAMPLE_COLUMNS
-from rollout_guard.verdict import explain, rule_names
+from rollout_guard.outputs.records import QuarantineRecord, decode_records, verdict_fields
+from rollout_guard.statistics import COLUMN
 
 
 def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: dict[str, Any], report: StepReport,
@@ -82,16 +81,13 @@ def build_records(trainer: Any, config: GuardConfig, process_index: int, batch: 
     records = []
     for position, row in enumerate(rows):
         global_row = start + row
-        stats = dict(zip(SAMPLE_COLUMNS, report.samples[global_row].tolist(), strict=True))
-        if stats.get("onset_token") is not None and stats["onset_token"] >= 0:
-            stats["onset_token"] = float(tokens_before[position])
-        rules = rule_names(int(report.reasons[global_row]))
         reward_row = reward_rows[global_row] if reward_rows is not None else None
         records.append(
             QuarantineRecord(
                 step=report.step, process_index=process_index, row=row, global_row=global_row,
                 group_size=trainer.num_generations, action=action,
-                rules=rules, stats=stats, explanation=explain(stats, rules, report.threshold),
+                **verdict_fields(report.samples[global_row].tolist(), int(report.reasons[global_row]),
+                                 report.threshold, float(tokens_before[position])),
                 **tokens_of.get(row, no_tokens),
                 reward=None if reward_row is None or bool(reward_row.isnan().all())
                        else float((reward_row * weights).nansum()),

@@ -27,11 +27,10 @@ from rollout_guard.guard import RolloutGuard, StepReport
 from rollout_guard.integrations.trl_versions import version
 from rollout_guard.integrations.verl.batch import evidence_of, rejected_whole, trajectory_of, widen_to_trajectories
 from rollout_guard.outputs.console import ConsoleSink
-from rollout_guard.outputs.records import QuarantineRecord, decode_records
+from rollout_guard.outputs.records import QuarantineRecord, decode_records, verdict_fields
 from rollout_guard.outputs.sinks import LocalFilesSink, Sink, finite_metrics
 from rollout_guard.selection import worst_suspects
-from rollout_guard.statistics import SAMPLE_COLUMNS
-from rollout_guard.verdict import explain, rule_names
+from rollout_guard.statistics import COLUMN
 
 logger = logging.getLogger("rollout_guard")
 
@@ -196,17 +195,15 @@ class VerlGuard:
         created = time.time()
         records = []
         for row in rows:
-            stats = dict(zip(SAMPLE_COLUMNS, report.samples[row].tolist(), strict=True))
-            onset = stats.get("onset_token")
-            if onset is not None and math.isfinite(onset) and onset >= 0:  # a position in the padded row → counted
-                stats["onset_token"] = float(mask[row, : int(onset)].sum())
-            rules = rule_names(int(report.reasons[row]))
+            sample = report.samples[row].tolist()
+            onset = sample[COLUMN["onset_token"]]
+            counted = float(mask[row, : int(onset)].sum()) if math.isfinite(onset) and onset >= 0 else math.nan
             full = row in tokens
             prompt_ids, response_ids = tokens.get(row, ([], []))
             kept = mask[row]
             records.append(QuarantineRecord(
                 step=report.step, process_index=0, row=row, global_row=row, group_size=self.group_size,
-                action=action, rules=rules, stats=stats, explanation=explain(stats, rules, report.threshold),
+                action=action, **verdict_fields(sample, int(report.reasons[row]), report.threshold, counted),
                 prompt_ids=list(prompt_ids), completion_ids=list(response_ids), prompt_text="", completion_text="",
                 completion_tokens=[],
                 engine_logprobs=engine[row][kept].tolist() if full and engine is not None else None,

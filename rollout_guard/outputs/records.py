@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
+
+from rollout_guard.statistics import SAMPLE_COLUMNS
+from rollout_guard.verdict import explain, rule_names
 
 SCHEMA_VERSION = 1
 
@@ -71,6 +75,20 @@ class QuarantineRecord:
         if missing:
             raise ValueError(f"quarantine record lacks {missing}")
         return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def verdict_fields(sample: Sequence[float], reasons: int, threshold: float,
+                   tokens_before_onset: float) -> dict[str, Any]:
+    """A suspect row's ``stats``, ``rules`` and ``explanation``, as its record holds them: ``sample`` its statistics
+    in ``SAMPLE_COLUMNS`` order, ``reasons`` its verdict bits, ``threshold`` the score's (ln Λ).
+    ``tokens_before_onset``: the loss-mask tokens before the onset, which the record gives in place of the onset's
+    position in the padded row (where there is an onset)."""
+    stats = dict(zip(SAMPLE_COLUMNS, sample, strict=True))
+    onset = stats.get("onset_token")
+    if onset is not None and math.isfinite(onset) and onset >= 0:
+        stats["onset_token"] = float(tokens_before_onset)
+    rules = rule_names(int(reasons))
+    return {"stats": stats, "rules": rules, "explanation": explain(stats, rules, threshold)}
 
 
 def decode_records(records: list[QuarantineRecord], tokenizer: Any) -> list[QuarantineRecord]:

@@ -173,6 +173,8 @@ def test_a_corrupted_rollout_is_quarantined_before_the_advantages_and_leaves_its
     assert lines[0]["completion_ids"] == list(range(100, 112))
     assert lines[0]["engine_logprobs"][5] == pytest.approx(-0.01)
     assert lines[0]["advantage_after"] == 0.0 and lines[0]["advantage_before"] != 0.0
+    assert lines[0]["stats"]["onset_token"] == 4.0 and "score" in lines[0]["rules"]
+    assert lines[0]["explanation"].startswith("suspect: from token 4 (engine -0.01, trainer -9 nats)")
 
 
 def test_monitor_mode_reports_the_rollout_and_changes_nothing(tmp_path):
