@@ -197,7 +197,7 @@ class VerlGuard:
         for row in rows:
             sample = report.samples[row].tolist()
             onset = sample[COLUMN["onset_token"]]
-            counted = float(mask[row, : int(onset)].sum()) if math.isfinite(onset) and onset >= 0 else math.nan
+            counted = float(mask[row, : int(onset)].sum()) if onset >= 0 else math.nan  # NaN: no onset
             full = row in tokens
             prompt_ids, response_ids = tokens.get(row, ([], []))
             kept = mask[row]

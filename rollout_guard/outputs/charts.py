@@ -221,11 +221,12 @@ def engine_figure(history: Sequence[dict], title: str = "") -> plt.Figure:
         upper = max([v for v in values if not math.isnan(v)], default=0) + 1
         axis.set_ylim(-0.05 * upper, upper)  # a marker at 0 drawn whole
     bottom.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # training steps
-    for axis, fields in ((middle, "KV-cache usage, running requests"), (bottom, "weight version, preemptions")):
-        twin = running if axis is middle else preempted
+    for axis, twin, missing in ((middle, running, "KV-cache usage, running requests: not given by this engine mode "
+                                 "(engine stats off?)"),
+                                (bottom, preempted, "weight version, preemptions: not given (no vLLM engine?)")):
         if all(math.isnan(v) for line in axis.get_lines() + twin.get_lines() for v in line.get_ydata()):
-            axis.text(0.5, 0.5, f"{fields}: not given by this engine mode (engine stats off?)", ha="center",
-                      va="center", transform=axis.transAxes, fontsize=9, color="#7f7f7f")
+            axis.text(0.5, 0.5, missing, ha="center", va="center", transform=axis.transAxes, fontsize=9,
+                      color="#7f7f7f")
             axis.set_yticks([])
             twin.set_yticks([])
     handles = [h for axis in (top, share, middle, running, bottom, preempted)
